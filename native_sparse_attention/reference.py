@@ -1,0 +1,254 @@
+"""Plain-PyTorch reference implementations of NSA's three attention branches.
+
+These functions define the semantics that every fast path (the Triton kernels, the
+layer's CUDA path, the decoding path) is tested against. They favour clarity over speed,
+run on any device and in any floating dtype (half inputs are computed in float32,
+float64 inputs stay in float64), and are the layer's CPU path.
+
+Shared conventions
+------------------
+- ``q: [b, hq, m, d]`` holds ``m`` queries whose absolute positions are
+  ``q_offset, ..., q_offset + m - 1``; ``k, v: [b, hk, n, d]`` hold keys at positions
+  ``0, ..., n - 1``. Query head ``h`` reads kv head ``h // (hq // hk)`` (grouped-query
+  attention).
+- ``scale`` defaults to ``d ** -0.5``.
+- Every function returns ``(out, lse)``: ``out: [b, hq, m, d]`` in the dtype of ``q`` and
+  the natural-log log-sum-exp of the scaled logits ``lse: [b, hq, m]`` in the compute
+  dtype. A query with no key to attend outputs zeros and has ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+
+__all__ = [
+    "compressed_attend",
+    "compressed_key_last_positions",
+    "selected_attend",
+    "sliding_window_attend",
+]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _expand_kv_heads(t: torch.Tensor, num_query_heads: int) -> torch.Tensor:
+    """``t: [b, hk, ...] -> [b, hq, ...]``, repeating each kv head for its query group."""
+    groups = num_query_heads // t.shape[1]
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim of ``logits`` restricted to ``mask``.
+
+    ``logits, mask: [..., L]`` -> (probs [..., L], lse [...]). A fully masked row gets zero
+    probabilities and ``lse = -inf``, with finite gradients everywhere.
+    """
+    any_valid = mask.any(dim=-1, keepdim=True)
+    # A row with no valid key would give NaN (and NaN gradients); give it zero logits
+    # instead and zero its probabilities afterwards.
+    logits = torch.where(any_valid, logits.masked_fill(~mask, float("-inf")), 0.0)
+    probs = torch.softmax(logits, dim=-1) * any_valid
+    lse = torch.logsumexp(logits, dim=-1).masked_fill(~any_valid.squeeze(-1), float("-inf"))
+    return probs, lse
+
+
+def _masked_softmax_attend(
+    logits: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits, mask: [..., L]``, ``values: [..., L, d]`` -> (out [..., d], lse [...])."""
+    probs, lse = _masked_softmax(logits, mask)
+    out = (probs.unsqueeze(-2) @ values).squeeze(-2)
+    return out.to(out_dtype), lse
+
+
+def sliding_window_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: int,
+    causal: bool = True,
+    scale: float | None = None,
+    q_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sliding-window attention.
+
+    Query at position ``i`` attends the keys ``j`` with ``0 <= i - j <= window_size`` when
+    ``causal``, and ``|i - j| <= window_size`` otherwise.
+
+    q: [b, hq, m, d], k, v: [b, hk, n, d] -> (out [b, hq, m, d], lse [b, hq, m])
+    """
+    dtype = _compute_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    hq, m, n = q.shape[1], q.shape[2], k.shape[2]
+    k_full = _expand_kv_heads(k, hq).to(dtype)
+    v_full = _expand_kv_heads(v, hq).to(dtype)
+    logits = (q.to(dtype) @ k_full.transpose(-1, -2)) * scale
+
+    q_pos = torch.arange(m, device=q.device)[:, None] + q_offset
+    k_pos = torch.arange(n, device=q.device)[None, :]
+    distance = q_pos - k_pos
+    if causal:
+        mask = (distance >= 0) & (distance <= window_size)
+    else:
+        mask = distance.abs() <= window_size
+    mask = mask.expand_as(logits)
+    return _masked_softmax_attend(logits, mask, v_full.unsqueeze(2), q.dtype)
+
+
+def compressed_key_last_positions(
+    num_compressed: int,
+    compress_block_size: int,
+    compress_stride: int,
+    num_mem: int = 0,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Last token position of each compressed key, memory keys first (position ``-1``).
+
+    Compressed block ``c`` covers tokens ``[c * stride, c * stride + block_size)``.
+    Returns ``[num_mem + num_compressed]`` (int64).
+    """
+    mem = torch.full((num_mem,), -1, dtype=torch.long, device=device)
+    blocks = torch.arange(num_compressed, device=device) * compress_stride + compress_block_size - 1
+    return torch.cat((mem, blocks))
+
+
+def compressed_attend(
+    q: torch.Tensor,
+    ck: torch.Tensor,
+    cv: torch.Tensor,
+    compress_block_size: int,
+    compress_stride: int,
+    num_mem: int = 0,
+    causal: bool = True,
+    scale: float | None = None,
+    q_offset: int = 0,
+    return_probs: bool = False,
+):
+    """Attention over compressed blocks of keys/values plus learned memory key/values.
+
+    ``ck, cv: [b, hk, num_mem + nc, d]`` hold the memory keys first, then the compressed
+    block keys in order. Memory keys are seen by every query. When ``causal``, the query at
+    position ``i`` sees compressed block ``c`` only when the block's last token
+    ``c * compress_stride + compress_block_size - 1`` is ``< i``.
+
+    q: [b, hq, m, d] -> (out [b, hq, m, d], lse [b, hq, m]) and, when ``return_probs``,
+    also the attention probabilities ``[b, hq, m, num_mem + nc]`` in the compute dtype
+    (differentiable; the selection branch scores blocks from them).
+    """
+    dtype = _compute_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    hq, m = q.shape[1], q.shape[2]
+    num_keys = ck.shape[2]
+    ck_full = _expand_kv_heads(ck, hq).to(dtype)
+    cv_full = _expand_kv_heads(cv, hq).to(dtype)
+    logits = (q.to(dtype) @ ck_full.transpose(-1, -2)) * scale
+
+    if causal:
+        last_pos = compressed_key_last_positions(
+            num_keys - num_mem, compress_block_size, compress_stride, num_mem, q.device
+        )
+        q_pos = torch.arange(m, device=q.device)[:, None] + q_offset
+        mask = (last_pos[None, :] < q_pos).expand_as(logits)
+    else:
+        mask = torch.ones_like(logits, dtype=torch.bool)
+
+    probs, lse = _masked_softmax(logits, mask)
+    out = (probs @ cv_full).to(q.dtype)
+    if return_probs:
+        return out, lse, probs
+    return out, lse
+
+
+def _selected_key_positions(
+    selected_block_indices: torch.Tensor,
+    block_size: int,
+    m: int,
+    q_offset: int,
+    include_block_causal: bool,
+) -> torch.Tensor:
+    """Token positions of every key slot, ``[b, hs, m, (own + sel) * block_size]``.
+
+    The query's own block (when ``include_block_causal``) comes first, then the slots.
+    """
+    device = selected_block_indices.device
+    blocks = selected_block_indices.long()
+    if include_block_causal:
+        own_block = (torch.arange(m, device=device) + q_offset) // block_size
+        own_block = own_block.view(1, 1, m, 1).expand(*blocks.shape[:3], 1)
+        blocks = torch.cat((own_block, blocks), dim=-1)
+    token_in_block = torch.arange(block_size, device=device)
+    positions = blocks.unsqueeze(-1) * block_size + token_in_block
+    return rearrange(positions, "b h m s t -> b h m (s t)")
+
+
+def selected_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int,
+    selected_block_indices: torch.Tensor,
+    fmask: torch.Tensor,
+    sel_scale: torch.Tensor | None = None,
+    include_block_causal: bool = True,
+    scale: float | None = None,
+    q_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the query's own block and its selected key blocks.
+
+    For the query at position ``i`` of head ``h`` (kv head ``g = h // (hq // hk)``) the
+    softmax runs over the concatenation of key sets: the query's own block (tokens
+    ``[i // bs * bs, i // bs * bs + bs)``) when ``include_block_causal``, then, for each
+    slot ``s`` whose ``fmask`` is True, the tokens of block ``selected_block_indices[s]``.
+    A block chosen twice counts twice. Keys at positions ``>= n`` are dropped; with
+    ``include_block_causal`` no key ``j > i`` is attended, whatever the indices say. The
+    logits are ``scale * q.k``, multiplied by ``sel_scale[s]`` for the keys of slot ``s``
+    (the own block is not scaled).
+
+    q: [b, hq, m, d], k, v: [b, hk, n, d]; selected_block_indices (integer), fmask (bool),
+    sel_scale (float): [b, hs, m, sel] with ``hs`` either ``hk`` (shared by the query heads
+    of a group) or ``hq`` (per query head).
+    Returns (out [b, hq, m, d], lse [b, hq, m]).
+    """
+    dtype = _compute_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    b, hq, m, d = q.shape
+    n = k.shape[2]
+
+    positions = _selected_key_positions(
+        selected_block_indices, block_size, m, q_offset, include_block_causal
+    )
+    slot_mask = fmask.bool()
+    slot_scale = torch.ones_like(fmask, dtype=dtype) if sel_scale is None else sel_scale.to(dtype)
+    if include_block_causal:
+        slot_mask = F.pad(slot_mask, (1, 0), value=True)
+        slot_scale = F.pad(slot_scale, (1, 0), value=1.0)
+    key_mask = repeat(slot_mask, "b h m s -> b h m (s t)", t=block_size)
+    key_scale = repeat(slot_scale, "b h m s -> b h m (s t)", t=block_size)
+
+    key_mask = key_mask & (positions < n)
+    if include_block_causal:
+        q_pos = torch.arange(m, device=q.device).view(1, 1, m, 1) + q_offset
+        key_mask = key_mask & (positions <= q_pos)
+
+    # Selection tensors are per kv head or per query head; bring them to query heads.
+    positions, key_mask, key_scale = (
+        _expand_kv_heads(t, hq) for t in (positions, key_mask, key_scale)
+    )
+    gather_index = positions.clamp(0, max(n - 1, 0))
+    k_full = _expand_kv_heads(k, hq).to(dtype)
+    v_full = _expand_kv_heads(v, hq).to(dtype)
+    batch_index = torch.arange(b, device=q.device).view(b, 1, 1, 1)
+    head_index = torch.arange(hq, device=q.device).view(1, hq, 1, 1)
+    if n == 0:
+        keys = q.new_zeros(b, hq, m, positions.shape[-1], d, dtype=dtype)
+        values = keys
+    else:
+        keys = k_full[batch_index, head_index, gather_index]
+        values = v_full[batch_index, head_index, gather_index]
+
+    logits = (keys @ q.to(dtype).unsqueeze(-1)).squeeze(-1) * scale * key_scale
+    return _masked_softmax_attend(logits, key_mask, values, q.dtype)

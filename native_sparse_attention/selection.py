@@ -1,0 +1,165 @@
+"""Choosing the key blocks of NSA's selection branch from the compressed attention.
+
+Notation: compressed block ``c`` covers tokens ``[c * stride, c * stride + cbs)``;
+selection block ``j`` covers tokens ``[j * sbs, (j + 1) * sbs)``. The importance of
+selection block ``j`` for a query is the sum of the compressed-branch attention
+probabilities of every compressed block whose token span overlaps block ``j`` (the NSA
+paper's definition, which lets compression and selection use different sizes). With
+shared selection the importance is also summed over the query heads of a GQA group.
+
+A block is a candidate for a query only when at least one compressed block overlapping it
+is visible to that query; in causal mode the query's own block is never a candidate
+because the selection branch always attends it (the block-causal diagonal).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from einops import reduce
+
+from native_sparse_attention.reference import compressed_key_last_positions
+
+__all__ = [
+    "BlockSelection",
+    "block_overlap",
+    "num_compressed_blocks",
+    "num_selection_blocks",
+    "select_blocks",
+    "selectable_blocks",
+    "selection_block_scores",
+]
+
+
+class BlockSelection(NamedTuple):
+    """The top-n blocks chosen per query.
+
+    indices: [b, hs, m, num_selected] (int64), mask: [b, hs, m, num_selected] (bool, False
+    for slots left without a valid block), scores: [b, hs, m, num_selected] (the
+    importance of each chosen block, 0 where masked; differentiable).
+    """
+
+    indices: torch.Tensor
+    mask: torch.Tensor
+    scores: torch.Tensor
+
+
+def num_compressed_blocks(seq_len: int, compress_block_size: int, compress_stride: int) -> int:
+    """Number of complete compression windows in ``seq_len`` tokens."""
+    if seq_len < compress_block_size:
+        return 0
+    return (seq_len - compress_block_size) // compress_stride + 1
+
+
+def num_selection_blocks(seq_len: int, selection_block_size: int) -> int:
+    """Number of selection blocks covering ``seq_len`` tokens (the last may be partial)."""
+    return math.ceil(seq_len / selection_block_size)
+
+
+def block_overlap(
+    num_compressed: int,
+    compress_block_size: int,
+    compress_stride: int,
+    selection_block_size: int,
+    num_selection: int,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``[num_compressed, num_selection]``: 1 where compressed block c overlaps selection block j."""
+    c_start = torch.arange(num_compressed, device=device)[:, None] * compress_stride
+    j_start = torch.arange(num_selection, device=device)[None, :] * selection_block_size
+    overlaps = (c_start < j_start + selection_block_size) & (j_start < c_start + compress_block_size)
+    return overlaps.to(dtype)
+
+
+def selection_block_scores(
+    compressed_probs: torch.Tensor,
+    compress_block_size: int,
+    compress_stride: int,
+    selection_block_size: int,
+    num_selection: int,
+    kv_heads: int | None = None,
+) -> torch.Tensor:
+    """Importance of every selection block.
+
+    compressed_probs: [b, hq, m, nc], the compressed branch's attention probabilities over
+    the compressed blocks (memory keys left out). With ``kv_heads`` given the scores are
+    summed over the query heads of each group (shared selection).
+    Returns [b, hs, m, num_selection] with ``hs = kv_heads or hq``.
+    """
+    overlap = block_overlap(
+        compressed_probs.shape[-1],
+        compress_block_size,
+        compress_stride,
+        selection_block_size,
+        num_selection,
+        compressed_probs.device,
+        compressed_probs.dtype,
+    )
+    scores = compressed_probs @ overlap
+    if kv_heads is not None:
+        scores = reduce(scores, "b (h g) m j -> b h m j", "sum", h=kv_heads)
+    return scores
+
+
+def selectable_blocks(
+    num_queries: int,
+    q_offset: int,
+    num_compressed: int,
+    compress_block_size: int,
+    compress_stride: int,
+    selection_block_size: int,
+    num_selection: int,
+    causal: bool,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """``[m, num_selection]`` bool: which blocks may be selected by each query.
+
+    Query ``r`` sits at position ``q_offset + r``.
+    """
+    overlap = block_overlap(
+        num_compressed,
+        compress_block_size,
+        compress_stride,
+        selection_block_size,
+        num_selection,
+        device,
+    )
+    q_pos = torch.arange(num_queries, device=device)[:, None] + q_offset
+    if causal:
+        last_pos = compressed_key_last_positions(
+            num_compressed, compress_block_size, compress_stride, 0, device
+        )
+        visible = (last_pos[None, :] < q_pos).float()
+    else:
+        visible = torch.ones(num_queries, num_compressed, device=device)
+    selectable = (visible @ overlap) > 0
+    if causal:
+        own_block = q_pos // selection_block_size
+        selectable &= torch.arange(num_selection, device=device)[None, :] != own_block
+    return selectable
+
+
+def select_blocks(
+    scores: torch.Tensor, selectable: torch.Tensor, num_selected: int
+) -> BlockSelection:
+    """Top-``num_selected`` selectable blocks by score.
+
+    scores: [b, hs, m, nsb]; selectable: [m, nsb] (broadcast) or [b, hs, m, nsb].
+    Slots beyond the number of selectable blocks are masked (index 0, mask False).
+    """
+    *lead, num_blocks = scores.shape
+    k = min(num_selected, num_blocks)
+    masked_scores = scores.masked_fill(~selectable, float("-inf"))
+    top_scores, indices = masked_scores.topk(k, dim=-1)
+    mask = torch.isfinite(top_scores)
+    indices = indices.masked_fill(~mask, 0)
+    top_scores = torch.where(mask, top_scores, torch.zeros_like(top_scores))
+    if k < num_selected:
+        pad = num_selected - k
+        indices = torch.cat((indices, indices.new_zeros(*lead, pad)), dim=-1)
+        mask = torch.cat((mask, mask.new_zeros(*lead, pad)), dim=-1)
+        top_scores = torch.cat((top_scores, top_scores.new_zeros(*lead, pad)), dim=-1)
+    return BlockSelection(indices, mask, top_scores)
