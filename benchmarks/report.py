@@ -1,0 +1,54 @@
+"""Shared helpers for the benchmark scripts: environment description and docs/benchmarks.md.
+
+Each benchmark owns one section of ``docs/benchmarks.md``, delimited by HTML comments, so
+scripts can be re-run independently without clobbering each other's results.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import statistics
+from pathlib import Path
+
+import torch
+
+BENCHMARKS_DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+_TITLE = "# Benchmarks\n\nEach section is written by the script named in it; re-run it to refresh.\n"
+
+
+def environment_line() -> str:
+    """GPU name, torch and triton versions and today's date, as one markdown line."""
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    today = datetime.date.today().isoformat()
+    return f"{gpu}, torch {torch.__version__}, triton {triton.__version__}, {today}"
+
+
+def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median wall time of ``fn()`` in milliseconds, timed with CUDA events by triton."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_section(name: str, markdown: str, path: Path = BENCHMARKS_DOC) -> None:
+    """Replace (or append) the section ``name`` of the benchmarks document."""
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    text = path.read_text() if path.exists() else _TITLE
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def median(values) -> float:
+    return statistics.median(values)
