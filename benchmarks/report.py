@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import re
-import statistics
 from pathlib import Path
 
 import torch
@@ -49,6 +48,3 @@ def write_section(name: str, markdown: str, path: Path = BENCHMARKS_DOC) -> None
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
-
-def median(values) -> float:
-    return statistics.median(values)
