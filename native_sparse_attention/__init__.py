@@ -1,0 +1,24 @@
+"""Native Sparse Attention (DeepSeek, 2025) in PyTorch with grouped-query Triton kernels."""
+
+from native_sparse_attention.compress import (
+    AttentionPoolCompress,
+    CompressMLP,
+    ConvCompress,
+    GroupedCompressMLP,
+    TransformerCompress,
+)
+from native_sparse_attention.full_attention import FullAttention
+from native_sparse_attention.sparse_attention import SparseAttention, SparseAttentionCache
+from native_sparse_attention.transformer import Transformer
+
+__all__ = [
+    "AttentionPoolCompress",
+    "CompressMLP",
+    "ConvCompress",
+    "FullAttention",
+    "GroupedCompressMLP",
+    "SparseAttention",
+    "SparseAttentionCache",
+    "Transformer",
+    "TransformerCompress",
+]

@@ -1,0 +1,125 @@
+"""Compression networks: each maps a window of keys (or values) to one compressed token.
+
+Every network takes ``windows: [b, h, w, block_size, d]`` (``w`` windows of ``block_size``
+tokens per head, intra-block position embeddings already added) and returns
+``[b, h, w, d]``. Pass one as ``SparseAttention(compress_mlp=...)``; the layer makes an
+independent copy for keys and for values.
+
+- ``CompressMLP``: one MLP over the flattened window, shared by all heads (the default).
+- ``GroupedCompressMLP``: the same with separate weights per kv head.
+- ``ConvCompress``: a per-head convolution whose kernel spans the window.
+- ``AttentionPoolCompress``: softmax-weighted pooling with learned, content-dependent scores.
+- ``TransformerCompress``: a small transformer over the window, read out through a summary token.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import nn
+
+__all__ = [
+    "AttentionPoolCompress",
+    "CompressMLP",
+    "ConvCompress",
+    "GroupedCompressMLP",
+    "TransformerCompress",
+]
+
+
+def _hidden_size(block_size: int, dim_head: int, expand_factor: float) -> int:
+    if expand_factor <= 0:
+        raise ValueError(f"expand_factor must be > 0, got {expand_factor}")
+    return max(1, int(block_size * dim_head * expand_factor))
+
+
+class CompressMLP(nn.Module):
+    """``Linear(block_size * d -> hidden) -> ReLU -> Linear(hidden -> d)``, shared by all heads."""
+
+    def __init__(self, block_size: int, dim_head: int, expand_factor: float = 1.0):
+        super().__init__()
+        hidden = _hidden_size(block_size, dim_head, expand_factor)
+        self.net = nn.Sequential(
+            nn.Linear(block_size * dim_head, hidden), nn.ReLU(), nn.Linear(hidden, dim_head)
+        )
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows: [b, h, w, block_size, d] -> [b, h, w, d]"""
+        return self.net(rearrange(windows, "b h w t d -> b h w (t d)"))
+
+
+class GroupedCompressMLP(nn.Module):
+    """A two-layer MLP over the flattened window with separate weights for each of ``heads``."""
+
+    def __init__(self, heads: int, block_size: int, dim_head: int, expand_factor: float = 1.0):
+        super().__init__()
+        hidden = _hidden_size(block_size, dim_head, expand_factor)
+        fan_in = block_size * dim_head
+        self.w1 = nn.Parameter(torch.randn(heads, fan_in, hidden) * fan_in**-0.5)
+        self.b1 = nn.Parameter(torch.zeros(heads, 1, hidden))
+        self.w2 = nn.Parameter(torch.randn(heads, hidden, dim_head) * hidden**-0.5)
+        self.b2 = nn.Parameter(torch.zeros(heads, 1, dim_head))
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows: [b, h, w, block_size, d] -> [b, h, w, d]"""
+        flat = rearrange(windows, "b h w t d -> b h w (t d)")
+        hidden = torch.relu(torch.einsum("bhwi,hio->bhwo", flat, self.w1) + self.b1)
+        return torch.einsum("bhwi,hio->bhwo", hidden, self.w2) + self.b2
+
+
+class ConvCompress(nn.Module):
+    """A grouped 1-d convolution (one group per head) whose kernel covers the whole window."""
+
+    def __init__(self, heads: int, block_size: int, dim_head: int):
+        super().__init__()
+        self.heads = heads
+        self.conv = nn.Conv1d(heads * dim_head, heads * dim_head, block_size, groups=heads)
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows: [b, h, w, block_size, d] -> [b, h, w, d]"""
+        batch, heads = windows.shape[:2]
+        if heads != self.heads:
+            raise ValueError(f"ConvCompress was built for {self.heads} heads, got {heads}")
+        channels = rearrange(windows, "b h w t d -> (b w) (h d) t")
+        out = self.conv(channels)
+        return rearrange(out, "(b w) (h d) 1 -> b h w d", b=batch, h=heads)
+
+
+class AttentionPoolCompress(nn.Module):
+    """Softmax pooling over the window: ``sum_t softmax_t(score(x_t)) * proj(x_t)``."""
+
+    def __init__(self, block_size: int, dim_head: int):
+        super().__init__()
+        self.to_score = nn.Linear(dim_head, 1)
+        self.position_bias = nn.Parameter(torch.zeros(block_size))
+        self.to_value = nn.Linear(dim_head, dim_head)
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows: [b, h, w, block_size, d] -> [b, h, w, d]"""
+        scores = self.to_score(windows).squeeze(-1) + self.position_bias
+        weights = scores.softmax(dim=-1)
+        return torch.einsum("bhwt,bhwtd->bhwd", weights, self.to_value(windows))
+
+
+class TransformerCompress(nn.Module):
+    """A small pre-norm transformer encoder over the window tokens plus a learned summary
+    token, whose final state is the compressed token."""
+
+    def __init__(self, block_size: int, dim_head: int, depth: int = 1, heads: int = 4):
+        super().__init__()
+        if dim_head % heads != 0:
+            raise ValueError(f"dim_head ({dim_head}) must be divisible by heads ({heads})")
+        self.summary = nn.Parameter(torch.randn(dim_head) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            dim_head, heads, dim_feedforward=2 * dim_head, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim_head)
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows: [b, h, w, block_size, d] -> [b, h, w, d]"""
+        batch, heads, num_windows = windows.shape[:3]
+        tokens = rearrange(windows, "b h w t d -> (b h w) t d")
+        summary = self.summary.expand(tokens.shape[0], 1, -1).to(tokens.dtype)
+        encoded = self.encoder(torch.cat((summary, tokens), dim=1))
+        return rearrange(self.norm(encoded[:, 0]), "(b h w) d -> b h w d", b=batch, h=heads)

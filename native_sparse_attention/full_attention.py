@@ -1,0 +1,74 @@
+"""Full (dense) attention with the same interface as ``SparseAttention``: the baseline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from native_sparse_attention.rotary import RotaryEmbedding
+
+__all__ = ["FullAttention", "FullAttentionCache"]
+
+
+@dataclass(frozen=True)
+class FullAttentionCache:
+    """keys (rotary applied), values: [b, hk, t, d] of the tokens seen so far."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[2]
+
+
+class FullAttention(nn.Module):
+    """RMSNorm, grouped-query attention through ``torch.nn.functional.scaled_dot_product_attention``
+    with rotary embeddings, output projection. ``forward(x: [b, n, dim]) -> [b, n, dim]``."""
+
+    def __init__(self, dim: int, dim_head: int, heads: int, kv_heads: int | None = None,
+                 causal: bool = True, norm: bool = True):
+        super().__init__()
+        kv_heads = heads if kv_heads is None else kv_heads
+        if heads % kv_heads:
+            raise ValueError(f"heads ({heads}) must be divisible by kv_heads ({kv_heads})")
+        if dim_head % 2:
+            raise ValueError(f"dim_head must be even for rotary embeddings, got {dim_head}")
+        self.dim, self.dim_head, self.heads, self.kv_heads, self.causal = dim, dim_head, heads, kv_heads, causal
+        self.norm = nn.RMSNorm(dim) if norm else nn.Identity()
+        self.to_qkv = nn.Linear(dim, (heads + 2 * kv_heads) * dim_head, bias=False)
+        self.rotary = RotaryEmbedding(dim_head)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: FullAttentionCache | None = None, return_cache: bool = False):
+        """x: [b, n, dim] -> [b, n, dim] (and the cache when ``return_cache``); with a cache,
+        x holds the next tokens."""
+        if x.ndim != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape [batch, seq_len, {self.dim}], got {tuple(x.shape)}")
+        offset = 0 if cache is None else cache.seq_len
+        qkv = self.to_qkv(self.norm(x))
+        q, k, v = qkv.split(
+            (self.heads * self.dim_head, self.kv_heads * self.dim_head, self.kv_heads * self.dim_head), dim=-1
+        )
+        q = rearrange(q, "b n (h d) -> b h n d", h=self.heads)
+        k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.kv_heads) for t in (k, v))
+        q, k = self.rotary(q, offset), self.rotary(k, offset)
+        if cache is not None:
+            k = torch.cat((cache.keys, k), dim=2)
+            v = torch.cat((cache.values, v), dim=2)
+        # With a cache every new query may see every cached key: the causal mask is the
+        # bottom-right-aligned one, which SDPA's is_causal only gives for square inputs.
+        n_new, n_keys = q.shape[2], k.shape[2]
+        mask = None
+        if self.causal and n_new != n_keys:
+            mask = torch.ones(n_new, n_keys, dtype=torch.bool, device=x.device).tril(n_keys - n_new)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
+            enable_gqa=self.heads != self.kv_heads,
+        )
+        out = self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+        return (out, FullAttentionCache(k, v)) if return_cache else out

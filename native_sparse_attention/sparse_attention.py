@@ -1,0 +1,474 @@
+"""The Native Sparse Attention layer.
+
+Three branches read the same queries and their outputs are mixed by learned per-head
+sigmoid gates:
+
+- compressed: attention over learned memory key/values plus one key/value per window of
+  ``compress_block_size`` tokens taken every ``compress_block_sliding_stride`` tokens;
+- selected: attention over the query's own block and the top-n key blocks of
+  ``selection_block_size`` tokens, ranked by the compressed branch's attention;
+- sliding window: attention over the last ``sliding_window_size`` tokens.
+
+On CPU (and whenever ``use_triton_kernel`` is off) every branch runs through the plain
+PyTorch reference in ``reference.py``; with ``use_triton_kernel=True`` on CUDA the
+compressed branch, the block selection and the selected + sliding branches run on Triton
+kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+from einops.layers.torch import Rearrange
+from torch import nn
+
+from native_sparse_attention.compress import CompressMLP
+from native_sparse_attention.reference import (
+    compressed_attend,
+    selected_attend,
+    sliding_window_attend,
+)
+from native_sparse_attention.rotary import RotaryEmbedding
+from native_sparse_attention.selection import (
+    BlockSelection,
+    num_compressed_blocks,
+    num_selection_blocks,
+    select_blocks,
+    selectable_blocks,
+    selection_block_scores,
+)
+
+__all__ = ["SparseAttention", "SparseAttentionCache"]
+
+# Initial gate biases (compressed, selected, sliding): sigmoid(2) ~ 0.88 lets the sliding
+# branch carry the signal while the selection learns what to pick.
+_INITIAL_GATE_BIAS = (-2.0, -2.0, 2.0)
+
+# Limits of the Triton selection kernel (see kernels/selection.py).
+_KERNEL_BLOCK_MULTIPLE = 16
+_KERNEL_MAX_BLOCK = 128
+_KERNEL_MAX_DIM_HEAD = 128
+_KERNEL_MAX_GROUP = 16
+
+
+@dataclass(frozen=True)
+class SparseAttentionCache:
+    """Decoding state of one ``SparseAttention`` layer after ``seq_len`` tokens.
+
+    keys: [b, hk, t, d] (rotary applied), values: [b, hk, t, d];
+    compressed_keys, compressed_values: [b, hk, nc, d], the complete compression windows
+    (memory key/values are parameters and not cached);
+    buffer_keys, buffer_values: [b, hk, r, d], the raw keys/values of the tokens since the
+    start of the next compression window (``r = t - nc * stride``): once the buffer holds
+    ``compress_block_size`` tokens it is compressed into the next block and its first
+    ``stride`` tokens are dropped.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    compressed_keys: torch.Tensor
+    compressed_values: torch.Tensor
+    buffer_keys: torch.Tensor
+    buffer_values: torch.Tensor
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[2]
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _straight_through(scores: torch.Tensor) -> torch.Tensor:
+    """Equals 1 in the forward pass; passes the gradient to ``scores`` unchanged."""
+    return scores + (1.0 - scores).detach()
+
+
+class SparseAttention(nn.Module):
+    """Native Sparse Attention (DeepSeek, 2025).
+
+    Args:
+        dim: model width; ``forward`` takes ``x: [b, n, dim]``.
+        dim_head: width of each attention head (even, for rotary embeddings).
+        heads: number of query heads.
+        sliding_window_size: query ``i`` of the sliding branch sees keys ``j`` with
+            ``0 <= i - j <= sliding_window_size`` (``|i - j| <=`` when not causal).
+        compress_block_size: tokens per compression window.
+        compress_block_sliding_stride: distance between the starts of consecutive windows
+            (windows overlap when it is smaller than ``compress_block_size``).
+        selection_block_size: tokens per selectable key block; a multiple of the stride.
+        num_selected_blocks: top-n blocks attended per query, besides its own block.
+        kv_heads: key/value heads (grouped-query attention); defaults to ``heads``.
+        num_compressed_mem_kv: learned memory key/values every compressed query sees.
+        causal: autoregressive masking in every branch.
+        norm: RMSNorm the input before projecting it.
+        use_diff_topk: scale the selected blocks' logits by a straight-through gate equal
+            to 1, so the compressed branch also learns from the selection branch.
+        use_triton_kernel: on CUDA run the branches on the Triton kernels (the PyTorch
+            path is used on CPU).
+        query_heads_share_selected_kv: one selection per kv head (summing the importance
+            over its query heads) instead of one per query head.
+        compress_mlp: compression network mapping ``[b, h, w, compress_block_size, dim_head]``
+            to ``[b, h, w, dim_head]``; see ``compress.py``. Defaults to ``CompressMLP``.
+            Keys and values get independent copies.
+        compress_mlp_expand_factor: hidden width of the default compression MLP relative
+            to its input (``compress_block_size * dim_head``).
+        strategy_combine_mlp: module mapping the normed input ``[b, n, dim]`` to the gate
+            logits ``[b, n, 3 * heads]``; defaults to a linear layer.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        dim_head: int,
+        heads: int,
+        sliding_window_size: int,
+        compress_block_size: int,
+        compress_block_sliding_stride: int,
+        selection_block_size: int,
+        num_selected_blocks: int,
+        kv_heads: int | None = None,
+        num_compressed_mem_kv: int = 1,
+        causal: bool = False,
+        norm: bool = True,
+        use_diff_topk: bool = False,
+        use_triton_kernel: bool = False,
+        query_heads_share_selected_kv: bool = True,
+        compress_mlp: nn.Module | None = None,
+        compress_mlp_expand_factor: float = 1.0,
+        strategy_combine_mlp: nn.Module | None = None,
+    ):
+        super().__init__()
+        kv_heads = heads if kv_heads is None else kv_heads
+        self._validate_config(
+            dim=dim,
+            dim_head=dim_head,
+            heads=heads,
+            kv_heads=kv_heads,
+            sliding_window_size=sliding_window_size,
+            compress_block_size=compress_block_size,
+            compress_block_sliding_stride=compress_block_sliding_stride,
+            selection_block_size=selection_block_size,
+            num_selected_blocks=num_selected_blocks,
+            num_compressed_mem_kv=num_compressed_mem_kv,
+            use_triton_kernel=use_triton_kernel,
+            compress_mlp=compress_mlp,
+            strategy_combine_mlp=strategy_combine_mlp,
+        )
+        self.dim = dim
+        self.dim_head = dim_head
+        self.heads = heads
+        self.kv_heads = kv_heads
+        self.sliding_window_size = sliding_window_size
+        self.compress_block_size = compress_block_size
+        self.compress_stride = compress_block_sliding_stride
+        self.selection_block_size = selection_block_size
+        self.num_selected_blocks = num_selected_blocks
+        self.num_mem = num_compressed_mem_kv
+        self.causal = causal
+        self.use_diff_topk = use_diff_topk
+        self.use_triton_kernel = use_triton_kernel
+        self.share_selection = query_heads_share_selected_kv
+        # Set to a dict to capture the intermediate tensors of the next forward passes
+        # (see viz.py); None costs nothing.
+        self.recorder: dict | None = None
+
+        self.norm = nn.RMSNorm(dim) if norm else nn.Identity()
+        self.to_qkv = nn.Linear(dim, (heads + 2 * kv_heads) * dim_head, bias=False)
+        self.rotary = RotaryEmbedding(dim_head)
+
+        self.intrablock_pos_k = nn.Parameter(torch.randn(kv_heads, compress_block_size, dim_head) * 0.02)
+        self.intrablock_pos_v = nn.Parameter(torch.randn(kv_heads, compress_block_size, dim_head) * 0.02)
+        self.mem_kv = nn.Parameter(torch.randn(2, kv_heads, num_compressed_mem_kv, dim_head) * 0.02)
+        if compress_mlp is None:
+            compress_mlp = CompressMLP(compress_block_size, dim_head, compress_mlp_expand_factor)
+        self.compress_k = compress_mlp
+        self.compress_v = copy.deepcopy(compress_mlp)
+
+        if strategy_combine_mlp is None:
+            strategy_combine_mlp = nn.Linear(dim, 3 * heads)
+            nn.init.zeros_(strategy_combine_mlp.weight)
+            with torch.no_grad():
+                strategy_combine_mlp.bias.copy_(torch.tensor(_INITIAL_GATE_BIAS).repeat(heads))
+        self.to_gates = nn.Sequential(
+            strategy_combine_mlp, Rearrange("b n (h s) -> s b h n 1", s=3), nn.Sigmoid()
+        )
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
+
+    @staticmethod
+    def _validate_config(**config) -> None:
+        for name in ("dim", "dim_head", "heads", "kv_heads", "compress_block_size",
+                     "compress_block_sliding_stride", "selection_block_size"):
+            _check_int(name, config[name], 1)
+        for name in ("sliding_window_size", "num_selected_blocks", "num_compressed_mem_kv"):
+            _check_int(name, config[name], 0)
+        if config["dim_head"] % 2:
+            raise ValueError(f"dim_head must be even for rotary embeddings, got {config['dim_head']}")
+        if config["heads"] % config["kv_heads"]:
+            raise ValueError(
+                f"heads ({config['heads']}) must be divisible by kv_heads ({config['kv_heads']})"
+            )
+        stride = config["compress_block_sliding_stride"]
+        if config["compress_block_size"] < stride:
+            raise ValueError(
+                f"compress_block_size ({config['compress_block_size']}) must be >= "
+                f"compress_block_sliding_stride ({stride}), or tokens would be skipped"
+            )
+        if config["selection_block_size"] % stride:
+            raise ValueError(
+                f"selection_block_size ({config['selection_block_size']}) must be a multiple of "
+                f"compress_block_sliding_stride ({stride})"
+            )
+        for name in ("compress_mlp", "strategy_combine_mlp"):
+            if config[name] is not None and not isinstance(config[name], nn.Module):
+                raise TypeError(f"{name} must be an nn.Module or None, got {type(config[name]).__name__}")
+        if config["use_triton_kernel"]:
+            block = config["selection_block_size"]
+            if block % _KERNEL_BLOCK_MULTIPLE or block > _KERNEL_MAX_BLOCK:
+                raise ValueError(
+                    f"use_triton_kernel needs selection_block_size to be a multiple of "
+                    f"{_KERNEL_BLOCK_MULTIPLE} up to {_KERNEL_MAX_BLOCK}, got {block}"
+                )
+            if config["dim_head"] > _KERNEL_MAX_DIM_HEAD:
+                raise ValueError(
+                    f"use_triton_kernel supports dim_head up to {_KERNEL_MAX_DIM_HEAD}, got {config['dim_head']}"
+                )
+            if config["heads"] // config["kv_heads"] > _KERNEL_MAX_GROUP:
+                raise ValueError(
+                    f"use_triton_kernel supports up to {_KERNEL_MAX_GROUP} query heads per kv head, "
+                    f"got heads / kv_heads = {config['heads'] // config['kv_heads']}"
+                )
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: SparseAttentionCache | None = None,
+        return_cache: bool = False,
+    ):
+        """x: [b, n, dim] -> [b, n, dim], or ``(out, cache)`` when ``return_cache``.
+
+        With a ``cache`` from an earlier call, ``x`` is the next token, ``[b, 1, dim]``.
+        """
+        self._check_input(x)
+        if cache is not None:
+            out, cache = self._decode_step(x, cache)
+            return (out, cache) if return_cache else out
+        if return_cache and not self.causal:
+            raise ValueError("return_cache needs a causal layer (causal=True)")
+
+        x_normed = self.norm(x)
+        q, k, v = self._project(x_normed)
+        ck, cv = self._compress(k, v)
+        rq, rk = self.rotary(q), self.rotary(k)
+
+        if self._use_kernels(x):
+            compressed_out, selected_out, sliding_out = self._kernel_branches(q, rq, rk, v, ck, cv)
+        else:
+            compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
+            selected_out = self._selected_branch(rq, rk, v, selection, q_offset=0)
+            sliding_out, _ = sliding_window_attend(rq, rk, v, self.sliding_window_size, self.causal)
+
+        out = self._combine(x_normed, compressed_out, selected_out, sliding_out)
+        if not return_cache:
+            return out
+        return out, self._prefill_cache(rk, v, k, ck, cv)
+
+    def _check_input(self, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != 3:
+            raise ValueError(f"x must have shape [batch, seq_len, dim], got {x.ndim} dims {tuple(x.shape)}")
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x must have {self.dim} features in its last dim (the layer's dim), got {x.shape[-1]}")
+        if x.shape[1] == 0:
+            raise ValueError("x must hold at least one token (seq_len > 0)")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+
+    def _use_kernels(self, x: torch.Tensor) -> bool:
+        return self.use_triton_kernel and x.is_cuda
+
+    def _project(self, x_normed: torch.Tensor):
+        """x_normed: [b, n, dim] -> q: [b, hq, n, d], k, v: [b, hk, n, d] (no rotary)."""
+        qkv = self.to_qkv(x_normed)
+        q, k, v = qkv.split(
+            (self.heads * self.dim_head, self.kv_heads * self.dim_head, self.kv_heads * self.dim_head), dim=-1
+        )
+        q = rearrange(q, "b n (h d) -> b h n d", h=self.heads)
+        k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.kv_heads) for t in (k, v))
+        return q, k, v
+
+    def _compress_windows(self, k_windows: torch.Tensor, v_windows: torch.Tensor):
+        """k_windows, v_windows: [b, hk, w, compress_block_size, d] -> ck, cv: [b, hk, w, d]."""
+        ck = self.compress_k(k_windows + self.intrablock_pos_k[:, None])
+        cv = self.compress_v(v_windows + self.intrablock_pos_v[:, None])
+        return ck, cv
+
+    def _compress(self, k: torch.Tensor, v: torch.Tensor):
+        """k, v: [b, hk, n, d] -> ck, cv: [b, hk, nc, d], one token per complete window."""
+        num_windows = num_compressed_blocks(k.shape[2], self.compress_block_size, self.compress_stride)
+        if num_windows == 0:
+            empty = k.new_empty(*k.shape[:2], 0, k.shape[-1])
+            return empty, empty
+        k_windows, v_windows = (
+            rearrange(t.unfold(2, self.compress_block_size, self.compress_stride), "b h w d t -> b h w t d")
+            for t in (k, v)
+        )
+        return self._compress_windows(k_windows, v_windows)
+
+    def _with_memory(self, ck: torch.Tensor, cv: torch.Tensor):
+        """Prepend the memory key/values: [b, hk, nc, d] -> [b, hk, num_mem + nc, d]."""
+        mem_k, mem_v = (m.to(ck.dtype).expand(ck.shape[0], -1, -1, -1) for m in self.mem_kv)
+        return torch.cat((mem_k, ck), dim=2), torch.cat((mem_v, cv), dim=2)
+
+    def _compressed_branch(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_offset: int):
+        """PyTorch path of the compressed branch and the block selection.
+
+        q: [b, hq, m, d] at positions ``q_offset..``; ck, cv: [b, hk, nc, d].
+        Returns (out [b, hq, m, d], BlockSelection).
+        """
+        ck_all, cv_all = self._with_memory(ck, cv)
+        out, _, probs = compressed_attend(
+            q, ck_all, cv_all, self.compress_block_size, self.compress_stride,
+            num_mem=self.num_mem, causal=self.causal, q_offset=q_offset, return_probs=True,
+        )
+        num_keys = q_offset + q.shape[2]
+        num_blocks = num_selection_blocks(num_keys, self.selection_block_size)
+        block_probs = probs[..., self.num_mem:]
+        if not self.use_diff_topk:
+            block_probs = block_probs.detach()
+        scores = selection_block_scores(
+            block_probs, self.compress_block_size, self.compress_stride, self.selection_block_size,
+            num_blocks, kv_heads=self.kv_heads if self.share_selection else None,
+        )
+        selectable = selectable_blocks(
+            q.shape[2], q_offset, ck.shape[2], self.compress_block_size, self.compress_stride,
+            self.selection_block_size, num_blocks, self.causal, q.device,
+        )
+        selection = select_blocks(scores, selectable, self.num_selected_blocks)
+        if self.recorder is not None:
+            self._record(compressed_probs=probs, block_scores=scores.masked_fill(~selectable, 0))
+        return out, selection
+
+    def _selection_scale(self, selection: BlockSelection) -> torch.Tensor | None:
+        return _straight_through(selection.scores) if self.use_diff_topk else None
+
+    def _selected_branch(self, rq, rk, v, selection: BlockSelection, q_offset: int) -> torch.Tensor:
+        """PyTorch path of the selection branch: rq: [b, hq, m, d], rk, v: [b, hk, n, d]."""
+        if self.recorder is not None:
+            self._record(selected_indices=selection.indices, selected_mask=selection.mask)
+        out, _ = selected_attend(
+            rq, rk, v, self.selection_block_size, selection.indices, selection.mask,
+            sel_scale=self._selection_scale(selection), include_block_causal=self.causal, q_offset=q_offset,
+        )
+        return out
+
+    def _kernel_branches(self, q, rq, rk, v, ck, cv):
+        """CUDA fast path: compressed attention with fused block selection, then the selected
+        and sliding branches from one launch of the selection kernel."""
+        from native_sparse_attention.kernels.compressed import compressed_attend_and_select
+        from native_sparse_attention.kernels.selection import native_sparse_attend
+
+        ck_all, cv_all = self._with_memory(ck, cv)
+        if self.use_diff_topk:
+            # The fused selection is not differentiable; diff top-k needs the probabilities.
+            compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
+        else:
+            compressed_out, _, selection = compressed_attend_and_select(
+                q, ck_all, cv_all, self.compress_block_size, self.compress_stride, self.num_mem,
+                self.selection_block_size, self.num_selected_blocks, causal=self.causal,
+                share_selection=self.share_selection,
+            )
+        if self.recorder is not None:
+            self._record(selected_indices=selection.indices, selected_mask=selection.mask)
+        selected_out, sliding_out = native_sparse_attend(
+            rq, rk, v, self.selection_block_size, selection.indices, selection.mask,
+            sel_scale=self._selection_scale(selection), include_block_causal=self.causal,
+            return_sliding_window_out=True, sliding_window_size=self.sliding_window_size,
+        )
+        return compressed_out, selected_out, sliding_out
+
+    def _combine(self, x_normed, compressed_out, selected_out, sliding_out) -> torch.Tensor:
+        """Gate and sum the branch outputs ([b, hq, n, d] each), merge heads, project."""
+        gate_compressed, gate_selected, gate_sliding = self.to_gates(x_normed)
+        if self.recorder is not None:
+            self._record(gates=torch.stack((gate_compressed, gate_selected, gate_sliding)).squeeze(-1))
+        out = gate_compressed * compressed_out + gate_selected * selected_out + gate_sliding * sliding_out
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+    def _record(self, **tensors: torch.Tensor) -> None:
+        self.recorder.update({name: t.detach() for name, t in tensors.items()})
+
+    # ------------------------------------------------------------------ decoding
+
+    def _prefill_cache(self, rk, v, k, ck, cv) -> SparseAttentionCache:
+        buffer_start = ck.shape[2] * self.compress_stride
+        return SparseAttentionCache(
+            keys=rk, values=v, compressed_keys=ck, compressed_values=cv,
+            buffer_keys=k[:, :, buffer_start:], buffer_values=v[:, :, buffer_start:],
+        )
+
+    def _check_cache(self, x: torch.Tensor, cache) -> None:
+        if not isinstance(cache, SparseAttentionCache):
+            raise TypeError(f"cache must be a SparseAttentionCache, got {type(cache).__name__}")
+        if not self.causal:
+            raise ValueError("decoding with a cache needs a causal layer (causal=True)")
+        if x.shape[1] != 1:
+            raise ValueError(f"decoding with a cache takes one token at a time, got x with seq_len {x.shape[1]}")
+        expected = (x.shape[0], self.kv_heads, self.dim_head)
+        found = (cache.keys.shape[0], cache.keys.shape[1], cache.keys.shape[3])
+        if found != expected:
+            raise ValueError(
+                f"cache does not fit this layer and input: it holds (batch, kv_heads, dim_head) = {found}, "
+                f"expected {expected}"
+            )
+        num_windows = num_compressed_blocks(cache.seq_len, self.compress_block_size, self.compress_stride)
+        buffered = cache.seq_len - num_windows * self.compress_stride
+        if cache.compressed_keys.shape[2] != num_windows or cache.buffer_keys.shape[2] != buffered:
+            raise ValueError(
+                "cache does not fit this layer: its compressed blocks and buffer do not match "
+                f"compress_block_size={self.compress_block_size}, "
+                f"compress_block_sliding_stride={self.compress_stride} after {cache.seq_len} tokens"
+            )
+        if cache.keys.device != x.device:
+            raise ValueError(f"cache is on {cache.keys.device} but x is on {x.device}")
+
+    def _decode_step(self, x: torch.Tensor, cache: SparseAttentionCache):
+        """x: [b, 1, dim], the token at position ``cache.seq_len`` -> (out [b, 1, dim], cache)."""
+        self._check_cache(x, cache)
+        position = cache.seq_len
+        x_normed = self.norm(x)
+        q, k, v = self._project(x_normed)
+        rq, rk = self.rotary(q, offset=position), self.rotary(k, offset=position)
+        keys = torch.cat((cache.keys, rk), dim=2)
+        values = torch.cat((cache.values, v), dim=2)
+
+        # Every cached compressed block ends before this token, so all are visible to it.
+        compressed_out, selection = self._compressed_branch(
+            q, cache.compressed_keys, cache.compressed_values, q_offset=position
+        )
+        selected_out = self._selected_branch(rq, keys, values, selection, q_offset=position)
+        sliding_out, _ = sliding_window_attend(
+            rq, keys, values, self.sliding_window_size, causal=True, q_offset=position
+        )
+        out = self._combine(x_normed, compressed_out, selected_out, sliding_out)
+        return out, self._advance_cache(cache, keys, values, k, v)
+
+    def _advance_cache(self, cache, keys, values, k, v) -> SparseAttentionCache:
+        buffer_k = torch.cat((cache.buffer_keys, k), dim=2)
+        buffer_v = torch.cat((cache.buffer_values, v), dim=2)
+        ck, cv = cache.compressed_keys, cache.compressed_values
+        if buffer_k.shape[2] == self.compress_block_size:
+            new_ck, new_cv = self._compress_windows(buffer_k[:, :, None], buffer_v[:, :, None])
+            ck, cv = torch.cat((ck, new_ck), dim=2), torch.cat((cv, new_cv), dim=2)
+            buffer_k, buffer_v = buffer_k[:, :, self.compress_stride:], buffer_v[:, :, self.compress_stride:]
+        return SparseAttentionCache(keys, values, ck, cv, buffer_k, buffer_v)

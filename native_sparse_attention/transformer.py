@@ -1,0 +1,159 @@
+"""A decoder-only language model whose attention is ``SparseAttention`` or, as the
+baseline, full attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from native_sparse_attention.full_attention import FullAttention
+from native_sparse_attention.sparse_attention import SparseAttention
+
+__all__ = ["Transformer", "DEFAULT_SPARSE_ATTN_KWARGS"]
+
+DEFAULT_SPARSE_ATTN_KWARGS = dict(
+    sliding_window_size=64,
+    compress_block_size=16,
+    compress_block_sliding_stride=8,
+    selection_block_size=16,
+    num_selected_blocks=4,
+)
+
+
+class FeedForward(nn.Module):
+    """Pre-norm GELU MLP: [b, n, dim] -> [b, n, dim]."""
+
+    def __init__(self, dim: int, expansion: float = 4.0):
+        super().__init__()
+        hidden = int(dim * expansion)
+        self.net = nn.Sequential(nn.RMSNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def top_k_filter(logits: torch.Tensor, filter_thres: float) -> torch.Tensor:
+    """Keep the largest ``round((1 - filter_thres) * vocab)`` logits (at least one) of each row, -inf elsewhere."""
+    k = max(1, int(round((1.0 - filter_thres) * logits.shape[-1])))
+    values, indices = logits.topk(k, dim=-1)
+    return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+
+
+class Transformer(nn.Module):
+    """Token embedding, ``depth`` pre-norm blocks of attention + feed-forward, final norm,
+    logits.
+
+    Args:
+        num_tokens: vocabulary size.
+        dim, depth, heads, dim_head, kv_heads: model width, layers, attention heads, head
+            width and key/value heads (grouped-query attention; defaults to ``heads``).
+        causal: autoregressive model (needed for ``sample`` and the loss).
+        use_sparse_attn: ``SparseAttention`` layers when True, full attention otherwise.
+        sparse_attn_kwargs: the remaining ``SparseAttention`` arguments (block sizes, ...).
+        ff_expansion: hidden width of the feed-forward blocks relative to ``dim``.
+    """
+
+    def __init__(
+        self,
+        num_tokens: int,
+        dim: int,
+        depth: int,
+        heads: int = 8,
+        dim_head: int = 64,
+        kv_heads: int | None = None,
+        causal: bool = True,
+        use_sparse_attn: bool = True,
+        sparse_attn_kwargs: dict | None = None,
+        ff_expansion: float = 4.0,
+    ):
+        super().__init__()
+        sparse_attn_kwargs = dict(DEFAULT_SPARSE_ATTN_KWARGS if sparse_attn_kwargs is None else sparse_attn_kwargs)
+        for name, value in (("num_tokens", num_tokens), ("dim", dim), ("depth", depth)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.config = dict(
+            num_tokens=num_tokens, dim=dim, depth=depth, heads=heads, dim_head=dim_head, kv_heads=kv_heads,
+            causal=causal, use_sparse_attn=use_sparse_attn, sparse_attn_kwargs=sparse_attn_kwargs,
+            ff_expansion=ff_expansion,
+        )
+        self.causal = causal
+        self.token_emb = nn.Embedding(num_tokens, dim)
+        self.layers = nn.ModuleList()
+        for _ in range(depth):
+            if use_sparse_attn:
+                attn = SparseAttention(
+                    dim=dim, dim_head=dim_head, heads=heads, kv_heads=kv_heads, causal=causal, **sparse_attn_kwargs
+                )
+            else:
+                attn = FullAttention(dim=dim, dim_head=dim_head, heads=heads, kv_heads=kv_heads, causal=causal)
+            self.layers.append(nn.ModuleList([attn, FeedForward(dim, ff_expansion)]))
+        self.norm = nn.RMSNorm(dim)
+        self.to_logits = nn.Linear(dim, num_tokens, bias=False)
+
+    def forward(self, ids: torch.Tensor, return_loss: bool = False, caches: list | None = None,
+                return_caches: bool = False):
+        """ids: [b, n] (int64) -> logits [b, n, num_tokens].
+
+        With ``return_loss`` the model predicts ``ids[:, 1:]`` from ``ids[:, :-1]`` and
+        returns the mean cross-entropy (nats). ``caches`` (one per layer, from an earlier
+        call with ``return_caches``) continue decoding from the given tokens.
+        """
+        if ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be an integer tensor of shape [batch, seq_len], got {ids.dtype} {tuple(ids.shape)}")
+        if return_loss:
+            if not self.causal:
+                raise ValueError("return_loss (next-token prediction) needs a causal model")
+            ids, labels = ids[:, :-1], ids[:, 1:]
+        x = self.token_emb(ids)
+        new_caches = []
+        for index, (attn, ff) in enumerate(self.layers):
+            layer_cache = None if caches is None else caches[index]
+            if return_caches:
+                attn_out, layer_cache = attn(x, cache=layer_cache, return_cache=True)
+                new_caches.append(layer_cache)
+            else:
+                attn_out = attn(x, cache=layer_cache)
+            x = x + attn_out
+            x = x + ff(x)
+        logits = self.to_logits(self.norm(x))
+        if return_loss:
+            return F.cross_entropy(logits.transpose(1, 2), labels.long())
+        return (logits, new_caches) if return_caches else logits
+
+    @torch.no_grad()
+    def sample(self, prompt: torch.Tensor, seq_len: int, temperature: float = 1.0, filter_thres: float = 0.9,
+               use_cache_kv: bool = False) -> torch.Tensor:
+        """Continue ``prompt: [b, p]`` (or ``[p]``) until it is ``seq_len`` tokens long.
+
+        Sampling keeps the top ``1 - filter_thres`` fraction of the logits; ``temperature=0``
+        is greedy decoding. Returns only the generated tokens, ``[b, seq_len - p]``.
+        """
+        if not self.causal:
+            raise ValueError("sample needs a causal model")
+        squeeze = prompt.ndim == 1
+        out = prompt[None] if squeeze else prompt
+        prompt_len = out.shape[1]
+        if prompt_len == 0:
+            raise ValueError("prompt must hold at least one token")
+        if not 0.0 <= filter_thres < 1.0:
+            raise ValueError(f"filter_thres must be in [0, 1), got {filter_thres}")
+        was_training = self.training
+        self.eval()
+        caches = None
+        for _ in range(max(0, seq_len - prompt_len)):
+            if use_cache_kv:
+                step_input = out if caches is None else out[:, -1:]
+                logits, caches = self(step_input, caches=caches, return_caches=True)
+            else:
+                logits = self(out)
+            next_logits = logits[:, -1]
+            if temperature == 0:
+                next_token = next_logits.argmax(dim=-1, keepdim=True)
+            else:
+                probs = F.softmax(top_k_filter(next_logits, filter_thres) / temperature, dim=-1)
+                next_token = torch.multinomial(probs, 1)
+            out = torch.cat((out, next_token), dim=1)
+        self.train(was_training)
+        generated = out[:, prompt_len:]
+        return generated[0] if squeeze else generated
