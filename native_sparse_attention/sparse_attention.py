@@ -122,6 +122,8 @@ class SparseAttention(nn.Module):
             to its input (``compress_block_size * dim_head``).
         strategy_combine_mlp: module mapping the normed input ``[b, n, dim]`` to the gate
             logits ``[b, n, 3 * heads]``; defaults to a linear layer.
+        use_flex_attention: on CUDA run the selected and sliding branches through PyTorch
+            FlexAttention block masks (an alternative to ``use_triton_kernel``).
     """
 
     def __init__(
@@ -144,6 +146,7 @@ class SparseAttention(nn.Module):
         compress_mlp: nn.Module | None = None,
         compress_mlp_expand_factor: float = 1.0,
         strategy_combine_mlp: nn.Module | None = None,
+        use_flex_attention: bool = False,
     ):
         super().__init__()
         kv_heads = heads if kv_heads is None else kv_heads
@@ -161,6 +164,7 @@ class SparseAttention(nn.Module):
             use_triton_kernel=use_triton_kernel,
             compress_mlp=compress_mlp,
             strategy_combine_mlp=strategy_combine_mlp,
+            use_flex_attention=use_flex_attention,
         )
         self.dim = dim
         self.dim_head = dim_head
@@ -175,6 +179,7 @@ class SparseAttention(nn.Module):
         self.causal = causal
         self.use_diff_topk = use_diff_topk
         self.use_triton_kernel = use_triton_kernel
+        self.use_flex_attention = use_flex_attention
         self.share_selection = query_heads_share_selected_kv
         # Set to a dict to capture the intermediate tensors of the next forward passes
         # (see viz.py); None costs nothing.
@@ -229,6 +234,8 @@ class SparseAttention(nn.Module):
         for name in ("compress_mlp", "strategy_combine_mlp"):
             if config[name] is not None and not isinstance(config[name], nn.Module):
                 raise TypeError(f"{name} must be an nn.Module or None, got {type(config[name]).__name__}")
+        if config["use_triton_kernel"] and config["use_flex_attention"]:
+            raise ValueError("use_triton_kernel and use_flex_attention are alternatives: set at most one")
         if config["use_triton_kernel"]:
             block = config["selection_block_size"]
             if block % _KERNEL_BLOCK_MULTIPLE or block > _KERNEL_MAX_BLOCK:
@@ -272,6 +279,9 @@ class SparseAttention(nn.Module):
 
         if self._use_kernels(x):
             compressed_out, selected_out, sliding_out = self._kernel_branches(q, rq, rk, v, ck, cv)
+        elif self.use_flex_attention and x.is_cuda:
+            compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
+            selected_out, sliding_out = self._flex_branches(rq, rk, v, selection)
         else:
             compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
             selected_out = self._selected_branch(rq, rk, v, selection, q_offset=0)
@@ -396,6 +406,17 @@ class SparseAttention(nn.Module):
             return_sliding_window_out=True, sliding_window_size=self.sliding_window_size,
         )
         return compressed_out, selected_out, sliding_out
+
+    def _flex_branches(self, rq, rk, v, selection: BlockSelection):
+        """Selected and sliding branches through FlexAttention: rq: [b, hq, n, d], rk, v: [b, hk, n, d]."""
+        from native_sparse_attention.flex import flex_selected_and_sliding
+
+        if self.recorder is not None:
+            self._record(selected_indices=selection.indices, selected_mask=selection.mask)
+        return flex_selected_and_sliding(
+            rq, rk, v, self.selection_block_size, selection.indices, selection.mask,
+            self.sliding_window_size, causal=self.causal, sel_scale=self._selection_scale(selection),
+        )
 
     def _combine(self, x_normed, compressed_out, selected_out, sliding_out) -> torch.Tensor:
         """Gate and sum the branch outputs ([b, hq, n, d] each), merge heads, project."""
