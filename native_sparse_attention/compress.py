@@ -90,7 +90,7 @@ class AttentionPoolCompress(nn.Module):
 
     def __init__(self, block_size: int, dim_head: int):
         super().__init__()
-        self.to_score = nn.Linear(dim_head, 1)
+        self.to_score = nn.Linear(dim_head, 1, bias=False)  # a bias cancels in the softmax
         self.position_bias = nn.Parameter(torch.zeros(block_size))
         self.to_value = nn.Linear(dim_head, dim_head)
 

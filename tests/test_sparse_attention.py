@@ -1,0 +1,250 @@
+"""The SparseAttention layer on its PyTorch path: shapes, causality, decoding, gradients,
+bad input."""
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from native_sparse_attention import (
+    AttentionPoolCompress,
+    CompressMLP,
+    ConvCompress,
+    GroupedCompressMLP,
+    SparseAttention,
+    SparseAttentionCache,
+    TransformerCompress,
+)
+
+DIM, DIM_HEAD, HEADS = 32, 8, 4
+
+# (compress_block_size, stride, selection_block_size, sliding_window_size)
+BLOCK_CONFIGS = [(4, 2, 4, 3), (8, 4, 8, 5), (4, 4, 8, 2), (6, 2, 6, 0)]
+
+
+def make_layer(block_config=BLOCK_CONFIGS[0], **kwargs) -> SparseAttention:
+    cbs, stride, sbs, window = block_config
+    options = dict(
+        dim=DIM, dim_head=DIM_HEAD, heads=HEADS, sliding_window_size=window, compress_block_size=cbs,
+        compress_block_sliding_stride=stride, selection_block_size=sbs, num_selected_blocks=2, causal=True,
+    )
+    options.update(kwargs)
+    return SparseAttention(**options)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+SHAPE_MATRIX = list(
+    itertools.product(
+        [True, False],  # causal
+        [1, 13, 32, 97],  # seq_len: one token, odd, exact block multiple, many blocks
+        [None, 2, 1],  # kv_heads
+        [0, 3],  # num_selected_blocks
+        [True, False],  # query_heads_share_selected_kv
+    )
+)
+
+
+@pytest.mark.parametrize("causal, seq_len, kv_heads, num_selected, share", SHAPE_MATRIX)
+@pytest.mark.parametrize("block_config", BLOCK_CONFIGS[:2])
+def test_shape_matrix(causal, seq_len, kv_heads, num_selected, share, block_config):
+    layer = make_layer(
+        block_config, causal=causal, kv_heads=kv_heads, num_selected_blocks=num_selected,
+        query_heads_share_selected_kv=share,
+    )
+    x = torch.randn(2, seq_len, DIM)
+    out = layer(x)
+    assert out.shape == x.shape
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("block_config", BLOCK_CONFIGS)
+@pytest.mark.parametrize("use_diff_topk", [False, True])
+def test_diff_topk_and_block_configs(block_config, use_diff_topk):
+    layer = make_layer(block_config, use_diff_topk=use_diff_topk, kv_heads=2)
+    x = torch.randn(2, 45, DIM, requires_grad=True)
+    layer(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("block_config", BLOCK_CONFIGS)
+@pytest.mark.parametrize("share", [True, False])
+def test_causality(block_config, share):
+    layer = make_layer(block_config, kv_heads=2, num_selected_blocks=3, query_heads_share_selected_kv=share)
+    x = torch.randn(1, 50, DIM)
+    out = layer(x)
+    for i in (0, 7, 23, 40):
+        changed = x.clone()
+        changed[:, i + 1:] = torch.randn_like(changed[:, i + 1:])
+        torch.testing.assert_close(layer(changed)[:, : i + 1], out[:, : i + 1], rtol=0, atol=0)
+
+
+def test_non_causal_output_depends_on_the_future():
+    layer = make_layer(causal=False)
+    x = torch.randn(1, 30, DIM)
+    changed = x.clone()
+    changed[:, -1] += 1.0
+    assert not torch.allclose(layer(x)[:, 0], layer(changed)[:, 0])
+
+
+def _decode(layer, x, prefill_len):
+    out, cache = layer(x[:, :prefill_len], return_cache=True)
+    outputs = [out]
+    for t in range(prefill_len, x.shape[1]):
+        out, cache = layer(x[:, t : t + 1], cache=cache, return_cache=True)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), cache
+
+
+DECODE_CASES = [
+    # block_config, kv_heads, share, diff topk, prefill lengths
+    (BLOCK_CONFIGS[0], 2, True, False, [1, 6, 17]),
+    (BLOCK_CONFIGS[1], None, False, False, [1, 8, 31]),
+    (BLOCK_CONFIGS[2], 1, True, True, [3, 16]),
+    (BLOCK_CONFIGS[3], 2, False, True, [1, 12, 25]),
+]
+
+
+@pytest.mark.parametrize("block_config, kv_heads, share, diff_topk, prefills", DECODE_CASES)
+def test_decoding_equals_parallel_forward(block_config, kv_heads, share, diff_topk, prefills):
+    layer = make_layer(
+        block_config, kv_heads=kv_heads, query_heads_share_selected_kv=share, use_diff_topk=diff_topk,
+        num_selected_blocks=3, num_compressed_mem_kv=2,
+    ).eval()
+    x = torch.randn(2, 53, DIM)  # crosses many compression and selection block boundaries
+    with torch.no_grad():
+        parallel = layer(x)
+        for prefill in prefills:
+            decoded, cache = _decode(layer, x, prefill)
+            assert (decoded - parallel).abs().max() <= 1e-5
+            assert cache.seq_len == x.shape[1]
+
+
+def test_prefill_cache_equals_decoded_cache():
+    layer = make_layer(BLOCK_CONFIGS[1], kv_heads=2).eval()
+    x = torch.randn(1, 29, DIM)
+    with torch.no_grad():
+        _, prefilled = layer(x, return_cache=True)
+        _, decoded = _decode(layer, x, 1)
+    for name in SparseAttentionCache.__dataclass_fields__:
+        torch.testing.assert_close(getattr(prefilled, name), getattr(decoded, name), atol=1e-6, rtol=1e-5)
+
+
+COMPRESSORS = {
+    "mlp": lambda: CompressMLP(4, DIM_HEAD, expand_factor=2.0),
+    "grouped_mlp": lambda: GroupedCompressMLP(2, 4, DIM_HEAD),
+    "conv": lambda: ConvCompress(2, 4, DIM_HEAD),
+    "attention_pool": lambda: AttentionPoolCompress(4, DIM_HEAD),
+    "transformer": lambda: TransformerCompress(4, DIM_HEAD, depth=1, heads=2),
+}
+
+
+@pytest.mark.parametrize("compressor", sorted(COMPRESSORS))
+@pytest.mark.parametrize("use_diff_topk", [False, True])
+def test_every_parameter_gets_a_finite_gradient(compressor, use_diff_topk):
+    layer = make_layer(kv_heads=2, compress_mlp=COMPRESSORS[compressor](), use_diff_topk=use_diff_topk)
+    x = torch.randn(2, 37, DIM)
+    layer(x).pow(2).mean().backward()
+    for name, parameter in layer.named_parameters():
+        assert parameter.grad is not None, name
+        assert torch.isfinite(parameter.grad).all(), name
+        assert parameter.grad.abs().sum() > 0, name
+
+
+def test_compressors_are_independent_for_keys_and_values():
+    layer = make_layer(compress_mlp=CompressMLP(4, DIM_HEAD))
+    assert layer.compress_k is not layer.compress_v
+    assert all(
+        a.data_ptr() != b.data_ptr() for a, b in zip(layer.compress_k.parameters(), layer.compress_v.parameters())
+    )
+
+
+def test_diff_topk_lets_the_selection_train_the_compression():
+    """With the compressed branch gated off, the compression networks only learn through
+    the straight-through selection gates."""
+    grads = {}
+    for use_diff_topk in (False, True):
+        torch.manual_seed(0)
+        layer = make_layer(kv_heads=2, use_diff_topk=use_diff_topk)
+        with torch.no_grad():
+            layer.to_gates[0].bias[0::3] = -100.0
+        layer(torch.randn(2, 40, DIM)).pow(2).sum().backward()
+        grads[use_diff_topk] = sum(p.grad.abs().sum() for p in layer.compress_k.parameters())
+    assert grads[False] < 1e-20
+    assert grads[True] > 1e-6
+
+
+def test_gates_start_favouring_the_sliding_branch():
+    layer = make_layer()
+    recorded = {}
+    layer.recorder = recorded
+    layer(torch.randn(1, 10, DIM))
+    compressed, selected, sliding = recorded["gates"].unbind(0)
+    assert (sliding > 0.8).all() and (compressed < 0.2).all() and (selected < 0.2).all()
+
+
+def test_a_custom_strategy_combine_mlp_is_used():
+    combine = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, 3 * HEADS))
+    layer = make_layer(strategy_combine_mlp=combine)
+    layer(torch.randn(1, 9, DIM)).sum().backward()
+    assert combine[0].weight.grad is not None
+
+
+# ---------------------------------------------------------------------------- bad input
+
+BAD_CONFIGS = [
+    (dict(heads=4, kv_heads=3), ValueError, "divisible by kv_heads"),
+    (dict(compress_block_sliding_stride=4, selection_block_size=6), ValueError, "multiple of compress_block_sliding_stride"),
+    (dict(compress_block_size=2, compress_block_sliding_stride=4, selection_block_size=8), ValueError, "compress_block_size"),
+    (dict(dim_head=7), ValueError, "dim_head must be even"),
+    (dict(dim=0), ValueError, "dim must be >= 1"),
+    (dict(num_selected_blocks=-1), ValueError, "num_selected_blocks"),
+    (dict(heads=2.0), TypeError, "heads must be an int"),
+    (dict(compress_mlp="mlp"), TypeError, "compress_mlp must be an nn.Module"),
+    (dict(use_triton_kernel=True, selection_block_size=8, compress_block_sliding_stride=4), ValueError, "multiple of 16"),
+    (dict(use_triton_kernel=True, use_flex_attention=True), ValueError, "at most one"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, message", BAD_CONFIGS)
+def test_bad_configuration_is_rejected(overrides, error, message):
+    with pytest.raises(error, match=message):
+        make_layer(**overrides)
+
+
+@pytest.mark.parametrize(
+    "x, error, message",
+    [
+        (torch.randn(4, DIM), ValueError, r"shape \[batch, seq_len, dim\]"),
+        (torch.randn(1, 4, DIM + 1), ValueError, "32 features in its last dim.*got 33"),
+        (torch.randn(1, 0, DIM), ValueError, "at least one token"),
+        (torch.ones(1, 4, DIM, dtype=torch.long), TypeError, "floating-point"),
+        ([[0.0] * DIM], TypeError, "torch.Tensor"),
+    ],
+)
+def test_bad_input_is_rejected(x, error, message):
+    with pytest.raises(error, match=message):
+        make_layer()(x)
+
+
+def test_a_cache_that_does_not_fit_is_rejected():
+    layer = make_layer(kv_heads=2)
+    _, cache = layer(torch.randn(1, 9, DIM), return_cache=True)
+    with pytest.raises(ValueError, match="one token at a time"):
+        layer(torch.randn(1, 2, DIM), cache=cache)
+    with pytest.raises(ValueError, match="does not fit"):
+        layer(torch.randn(2, 1, DIM), cache=cache)
+    other = make_layer(kv_heads=4)
+    with pytest.raises(ValueError, match="does not fit"):
+        other(torch.randn(1, 1, DIM), cache=cache)
+    other_blocks = make_layer(BLOCK_CONFIGS[1], kv_heads=2)
+    with pytest.raises(ValueError, match="compressed blocks and buffer"):
+        other_blocks(torch.randn(1, 1, DIM), cache=cache)
+    with pytest.raises(TypeError, match="SparseAttentionCache"):
+        layer(torch.randn(1, 1, DIM), cache={"keys": None})
+    with pytest.raises(ValueError, match="causal"):
+        make_layer(causal=False)(torch.randn(1, 3, DIM), return_cache=True)

@@ -1,0 +1,73 @@
+"""The decoder LM: loss, sampling, and cached decoding against recomputation."""
+
+import pytest
+import torch
+
+from native_sparse_attention import FullAttention, SparseAttention, Transformer
+from native_sparse_attention.transformer import top_k_filter
+
+SPARSE_KWARGS = dict(
+    sliding_window_size=6, compress_block_size=4, compress_block_sliding_stride=2,
+    selection_block_size=4, num_selected_blocks=2,
+)
+
+
+def make_model(use_sparse_attn=True, **kwargs):
+    torch.manual_seed(0)
+    return Transformer(
+        num_tokens=64, dim=32, depth=2, heads=4, dim_head=8, kv_heads=2,
+        use_sparse_attn=use_sparse_attn, sparse_attn_kwargs=SPARSE_KWARGS, **kwargs,
+    )
+
+
+@pytest.mark.parametrize("use_sparse_attn, attention_type", [(True, SparseAttention), (False, FullAttention)])
+def test_attention_type_and_loss(use_sparse_attn, attention_type):
+    model = make_model(use_sparse_attn)
+    assert all(isinstance(attn, attention_type) for attn, _ in model.layers)
+    ids = torch.randint(0, 64, (2, 33))
+    loss = model(ids, return_loss=True)
+    assert loss.ndim == 0 and 3.0 < loss.item() < 5.5  # about log(64) at initialisation
+    loss.backward()
+    assert model(ids).shape == (2, 33, 64)
+
+
+@pytest.mark.parametrize("use_sparse_attn", [True, False])
+def test_greedy_sampling_with_cache_equals_without(use_sparse_attn):
+    model = make_model(use_sparse_attn)
+    prompt = torch.randint(0, 64, (2, 5))
+    without_cache = model.sample(prompt, 45, temperature=0.0)
+    with_cache = model.sample(prompt, 45, temperature=0.0, use_cache_kv=True)
+    assert without_cache.shape == (2, 40)
+    assert torch.equal(with_cache, without_cache)
+
+
+def test_sampling_respects_the_filter_and_restores_training_mode():
+    model = make_model().train()
+    out = model.sample(torch.randint(0, 64, (7,)), 12, temperature=1.0, filter_thres=0.9, use_cache_kv=True)
+    assert out.shape == (5,) and out.dtype == torch.long
+    assert model.training
+
+
+def test_top_k_filter_keeps_the_largest_logits():
+    logits = torch.arange(10.0).repeat(2, 1)
+    filtered = top_k_filter(logits, 0.8)
+    assert torch.isfinite(filtered).sum(-1).tolist() == [2, 2]
+    assert torch.isfinite(filtered[:, -2:]).all()
+
+
+def test_the_config_rebuilds_the_model():
+    model = make_model()
+    clone = Transformer(**model.config)
+    clone.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (1, 20))
+    torch.testing.assert_close(clone(ids), model(ids))
+
+
+def test_bad_input_is_rejected():
+    model = make_model()
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(torch.randn(1, 4))
+    with pytest.raises(ValueError, match="filter_thres"):
+        model.sample(torch.zeros(1, 2, dtype=torch.long), 4, filter_thres=1.0)
+    with pytest.raises(ValueError, match="causal"):
+        make_model(causal=False).sample(torch.zeros(1, 2, dtype=torch.long), 4)
