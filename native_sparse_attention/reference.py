@@ -203,7 +203,7 @@ def selected_attend(
     softmax runs over the concatenation of key sets: the query's own block (tokens
     ``[i // bs * bs, i // bs * bs + bs)``) when ``include_block_causal``, then, for each
     slot ``s`` whose ``fmask`` is True, the tokens of block ``selected_block_indices[s]``.
-    A block chosen twice counts twice. Keys at positions ``>= n`` are dropped; with
+    A block chosen twice counts twice. Keys outside ``[0, n)`` are dropped; with
     ``include_block_causal`` no key ``j > i`` is attended, whatever the indices say. The
     logits are ``scale * q.k``, multiplied by ``sel_scale[s]`` for the keys of slot ``s``
     (the own block is not scaled).
@@ -229,7 +229,7 @@ def selected_attend(
     key_mask = repeat(slot_mask, "b h m s -> b h m (s t)", t=block_size)
     key_scale = repeat(slot_scale, "b h m s -> b h m (s t)", t=block_size)
 
-    key_mask = key_mask & (positions < n)
+    key_mask = key_mask & (positions >= 0) & (positions < n)
     if include_block_causal:
         q_pos = torch.arange(m, device=q.device).view(1, 1, m, 1) + q_offset
         key_mask = key_mask & (positions <= q_pos)

@@ -386,7 +386,7 @@ class SparseAttention(nn.Module):
         """CUDA fast path: compressed attention with fused block selection, then the selected
         and sliding branches from one launch of the selection kernel."""
         from native_sparse_attention.kernels.compressed import compressed_attend_and_select
-        from native_sparse_attention.kernels.selection import native_sparse_attend
+        from native_sparse_attention.attend import native_sparse_attend
 
         ck_all, cv_all = self._with_memory(ck, cv)
         if self.use_diff_topk:

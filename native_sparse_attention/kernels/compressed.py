@@ -1,0 +1,748 @@
+"""Triton kernels for NSA's compressed branch and the block selection it drives.
+
+Notation (the one PyTorch's FlexAttention templates use, plus NSA's geometry)
+-----------------------------------------------------------------------------
+Q: queries ``[Z, HQ, M, D]``; K, V: compressed keys / values ``[Z, HKV, N, D]``;
+OUT: ``[Z, HQ, M, D]``; LSE: natural log-sum-exp of the scaled logits, ``[Z, HQ, M]`` fp32.
+Z: batch size. HQ, HKV: query / key-value heads. GQA_SHARED_HEADS = HQ // HKV query heads
+read one kv head. M: query length; query row ``r`` sits at token position ``r``.
+N = NUM_MEM + NC keys: NUM_MEM learned memory keys (seen by every query), then NC
+compressed keys. D: head dim (HEAD_DIM), padded to the power of two BLOCK_D.
+CBS, STRIDE: compressed key ``c`` summarises tokens ``[c * STRIDE, c * STRIDE + CBS)``.
+Causal: row ``r`` sees compressed key ``c`` iff its last token ``c * STRIDE + CBS - 1 < r``,
+so the visible compressed keys are the prefix ``c < num_visible(r)``.
+SBS: selection block size; selection block ``j`` covers tokens ``[j * SBS, (j + 1) * SBS)``;
+NSEL = ceil(M / SBS). TOPN: blocks selected per query. HS: selection heads (HKV when a
+group shares its selection, HQ otherwise); HEADS_PER_SELECTION query heads score each one.
+BLOCK_M: query tile; BLOCK_N: key tile; BLOCK_C: compressed keys per scoring tile;
+BLOCK_S: lanes of a chunk of selection blocks, S_STEP of them used.
+
+Kernels
+-------
+``_attention_fwd_kernel``: flash forward over memory + compressed keys -> OUT, LSE.
+``_output_grad_dot_kernel``: DELTA = rowsum(dOUT * OUT), the softmax-backward correction.
+``_attention_bwd_dkdv_kernel``: per query head partial dK, dV (summed over the group on
+the host, which keeps the result deterministic). ``_attention_bwd_dq_kernel``: dQ.
+``_select_blocks_kernel``: recomputes the probabilities ``exp(s - LSE)`` tile by tile, adds
+them into the selection blocks they overlap, and keeps a running top-n per query, so the
+``[M, NC]`` probabilities and the ``[M, NSEL]`` importances never reach memory.
+
+Programs walk query tiles last-to-first: in causal mode the last tiles see the most keys,
+and launching them first shortens the tail of the grid.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from native_sparse_attention.reference import compressed_attend
+from native_sparse_attention.selection import (
+    BlockSelection,
+    num_selection_blocks,
+    select_blocks,
+    selectable_blocks,
+    selection_block_scores,
+)
+
+__all__ = ["compressed_attend_and_select"]
+
+LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_HEAD_DIM = 128
+
+
+# ---------------------------------------------------------------------------------------
+# Shared device helpers
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _num_visible(rows, NC, CBS, STRIDE, IS_CAUSAL: tl.constexpr):
+    """Number of compressed keys (a prefix) each query row may attend."""
+    if IS_CAUSAL:
+        # Clamp before dividing: integer division truncates toward zero.
+        return tl.minimum(tl.maximum(rows - CBS + STRIDE, 0) // STRIDE, NC)
+    else:
+        return rows * 0 + NC
+
+
+@triton.jit
+def _load_rows(ptr, start, row_stride, num_rows, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """Rows ``start .. start + BLOCK`` of a ``[num_rows, HEAD_DIM]`` matrix, zero padded to
+    ``[BLOCK, BLOCK_D]``. The tile start is applied in int64 so huge tensors stay addressable.
+    """
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = ptr + tl.cast(start, tl.int64) * row_stride
+    mask = (start + offs[:, None] < num_rows) & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(base + offs[:, None] * row_stride + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, start, row_stride, num_rows, value, BLOCK: tl.constexpr,
+                BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Inverse of ``_load_rows``: writes the valid part of ``value: [BLOCK, BLOCK_D]``."""
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = ptr + tl.cast(start, tl.int64) * row_stride
+    mask = (start + offs[:, None] < num_rows) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(base + offs[:, None] * row_stride + offs_d[None, :],
+             value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_lse_log2(lse_ptr, rows, M):
+    """LSE of ``rows`` in base 2, with empty rows (-inf) mapped to +inf so that
+    ``exp2(s - lse)`` is 0 for them instead of NaN."""
+    lse = tl.load(lse_ptr + rows, mask=rows < M, other=float("inf")) * LOG2E
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def _query_key_ranges(m_start, M, NUM_MEM, NC, CBS, STRIDE, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Key loop bounds for the query tile starting at ``m_start``: tiles below
+    ``full_end`` are visible to every row, tiles in ``[full_end, keys_end)`` need a mask."""
+    first_row = m_start
+    last_row = tl.minimum(m_start + BLOCK_M, M) - 1
+    full_keys = NUM_MEM + _num_visible(first_row, NC, CBS, STRIDE, IS_CAUSAL)
+    keys_end = NUM_MEM + _num_visible(last_row, NC, CBS, STRIDE, IS_CAUSAL)
+    return full_keys // BLOCK_N * BLOCK_N, keys_end
+
+
+@triton.jit
+def _head_pointers(ptr, z, h, stride_z, stride_h):
+    return ptr + z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h
+
+
+# ---------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit, qk_scale,
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Folds one key tile into the running (acc, row max, row sum), all in base 2."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        cols = key_start + tl.arange(0, BLOCK_N)
+        s = tl.where(cols[None, :] < key_limit[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key keeps max -inf; exponentiate against 0 to avoid NaN.
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(s - m_base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q, K, V, OUT, LSE,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    HQ, M, N, NUM_MEM, CBS, STRIDE, qk_scale,
+    GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    zh = tl.program_id(0)
+    z, h = zh // HQ, zh % HQ
+    m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    q_ptr = _head_pointers(Q, z, h, stride_qz, stride_qh)
+    k_ptr = _head_pointers(K, z, h // GQA_SHARED_HEADS, stride_kz, stride_kh)
+    v_ptr = _head_pointers(V, z, h // GQA_SHARED_HEADS, stride_vz, stride_vh)
+
+    rows = m_start + tl.arange(0, BLOCK_M)
+    key_limit = NUM_MEM + _num_visible(rows, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
+    full_end, keys_end = _query_key_ranges(m_start, M, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
+                                           BLOCK_M, BLOCK_N, IS_CAUSAL)
+    q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for key_start in range(0, full_end, BLOCK_N):
+        k = _load_rows(k_ptr, key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+        v = _load_rows(v_ptr, key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit,
+                                             qk_scale, BLOCK_N, False)
+    for key_start in range(full_end, keys_end, BLOCK_N):
+        k = _load_rows(k_ptr, key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+        v = _load_rows(v_ptr, key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit,
+                                             qk_scale, BLOCK_N, True)
+
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(l_i)) / LOG2E, float("-inf"))
+    o_ptr = _head_pointers(OUT, z, h, stride_oz, stride_oh)
+    _store_rows(o_ptr, m_start, stride_om, M, out, BLOCK_M, BLOCK_D, HEAD_DIM)
+    tl.store(LSE + zh.to(tl.int64) * M + rows, lse, mask=rows < M)
+
+
+# ---------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _output_grad_dot_kernel(
+    OUT, DOUT, DELTA,
+    stride_oz, stride_oh, stride_om,
+    stride_dz, stride_dh, stride_dm,
+    HQ, M,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    zh = tl.program_id(0)
+    z, h = zh // HQ, zh % HQ
+    m_start = tl.program_id(1) * BLOCK_M
+    o = _load_rows(_head_pointers(OUT, z, h, stride_oz, stride_oh), m_start, stride_om, M,
+                   BLOCK_M, BLOCK_D, HEAD_DIM)
+    do = _load_rows(_head_pointers(DOUT, z, h, stride_dz, stride_dh), m_start, stride_dm, M,
+                    BLOCK_M, BLOCK_D, HEAD_DIM)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    rows = m_start + tl.arange(0, BLOCK_M)
+    tl.store(DELTA + zh.to(tl.int64) * M + rows, delta, mask=rows < M)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m_start, stride_qm,
+               stride_dm, M, key_start, NUM_MEM, NC, CBS, STRIDE, qk_scale,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """Adds one query tile's contribution to the key tile's dK (unscaled) and dV."""
+    rows = m_start + tl.arange(0, BLOCK_M)
+    q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
+    do = _load_rows(do_ptr, m_start, stride_dm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
+    lse = _load_lse_log2(lse_ptr, rows, M)
+    delta = tl.load(delta_ptr + rows, mask=rows < M, other=0.0)
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    if MASKED:
+        key_limit = NUM_MEM + _num_visible(rows, NC, CBS, STRIDE, IS_CAUSAL)
+        cols = key_start + tl.arange(0, BLOCK_N)
+        p = tl.where(cols[None, :] < key_limit[:, None], p, 0.0)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    return dk, dv
+
+
+@triton.jit
+def _first_row_seeing(key, NUM_MEM, CBS, STRIDE, IS_CAUSAL: tl.constexpr):
+    """First query row that attends key index ``key`` (memory or compressed)."""
+    if IS_CAUSAL:
+        return tl.where(key < NUM_MEM, 0, (key - NUM_MEM) * STRIDE + CBS)
+    else:
+        return key * 0
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DK, DV,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_dz, stride_dh, stride_dm,
+    HQ, M, N, NUM_MEM, CBS, STRIDE, qk_scale, sm_scale,
+    GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # DK, DV: [Z, HQ, N, D] fp32 partials of this query head, contiguous.
+    zh = tl.program_id(0)
+    z, h = zh // HQ, zh % HQ
+    key_start = tl.program_id(1) * BLOCK_N
+    NC = N - NUM_MEM
+    q_ptr = _head_pointers(Q, z, h, stride_qz, stride_qh)
+    do_ptr = _head_pointers(DOUT, z, h, stride_dz, stride_dh)
+    lse_ptr = LSE + zh.to(tl.int64) * M
+    delta_ptr = DELTA + zh.to(tl.int64) * M
+    k = _load_rows(_head_pointers(K, z, h // GQA_SHARED_HEADS, stride_kz, stride_kh),
+                   key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    v = _load_rows(_head_pointers(V, z, h // GQA_SHARED_HEADS, stride_vz, stride_vh),
+                   key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+
+    # Rows before the first key's first viewer see nothing of this tile; rows from the
+    # last key's first viewer on see all of it.
+    last_key = tl.minimum(key_start + BLOCK_N, N) - 1
+    rows_begin = _first_row_seeing(key_start, NUM_MEM, CBS, STRIDE, IS_CAUSAL) // BLOCK_M * BLOCK_M
+    rows_full = tl.cdiv(_first_row_seeing(last_key, NUM_MEM, CBS, STRIDE, IS_CAUSAL), BLOCK_M) * BLOCK_M
+    rows_full = tl.minimum(tl.maximum(rows_full, rows_begin), M)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for m_start in range(rows_begin, rows_full, BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m_start,
+                            stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS, STRIDE,
+                            qk_scale,
+                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, IS_CAUSAL, True)
+    for m_start in range(rows_full, M, BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m_start,
+                            stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS, STRIDE,
+                            qk_scale,
+                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, IS_CAUSAL, False)
+
+    part = zh.to(tl.int64) * N * HEAD_DIM
+    _store_rows(DK + part, key_start, HEAD_DIM, N, dk * sm_scale, BLOCK_N, BLOCK_D, HEAD_DIM)
+    _store_rows(DV + part, key_start, HEAD_DIM, N, dv, BLOCK_N, BLOCK_D, HEAD_DIM)
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
+             key_limit, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Adds one key tile's contribution to the query tile's dQ (unscaled)."""
+    k = _load_rows(k_ptr, key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    v = _load_rows(v_ptr, key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    if MASKED:
+        cols = key_start + tl.arange(0, BLOCK_N)
+        p = tl.where(cols[None, :] < key_limit[:, None], p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q, K, V, DOUT, LSE, DELTA, DQ,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_dz, stride_dh, stride_dm,
+    stride_gz, stride_gh, stride_gm,
+    HQ, M, N, NUM_MEM, CBS, STRIDE, qk_scale, sm_scale,
+    GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    zh = tl.program_id(0)
+    z, h = zh // HQ, zh % HQ
+    m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    k_ptr = _head_pointers(K, z, h // GQA_SHARED_HEADS, stride_kz, stride_kh)
+    v_ptr = _head_pointers(V, z, h // GQA_SHARED_HEADS, stride_vz, stride_vh)
+    rows = m_start + tl.arange(0, BLOCK_M)
+    q = _load_rows(_head_pointers(Q, z, h, stride_qz, stride_qh), m_start, stride_qm, M,
+                   BLOCK_M, BLOCK_D, HEAD_DIM)
+    do = _load_rows(_head_pointers(DOUT, z, h, stride_dz, stride_dh), m_start, stride_dm, M,
+                    BLOCK_M, BLOCK_D, HEAD_DIM)
+    lse = _load_lse_log2(LSE + zh.to(tl.int64) * M, rows, M)
+    delta = tl.load(DELTA + zh.to(tl.int64) * M + rows, mask=rows < M, other=0.0)
+
+    key_limit = NUM_MEM + _num_visible(rows, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
+    full_end, keys_end = _query_key_ranges(m_start, M, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
+                                           BLOCK_M, BLOCK_N, IS_CAUSAL)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for key_start in range(0, full_end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
+                      key_limit, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False)
+    for key_start in range(full_end, keys_end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
+                      key_limit, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True)
+    _store_rows(_head_pointers(DQ, z, h, stride_gz, stride_gh), m_start, stride_gm, M,
+                dq * sm_scale, BLOCK_M, BLOCK_D, HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------
+# Block importance and top-n selection
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _merge_top(top, cand, TOPN: tl.constexpr, TOPN_PAD: tl.constexpr):
+    """Top ``TOPN`` keys per row of ``top: [BM, TOPN_PAD]`` (descending) and
+    ``cand: [BM, BLOCK_S]``, as ``[BM, TOPN_PAD]``. Keys are unique, 0 = empty."""
+    slots = tl.arange(0, TOPN_PAD)[None, :]
+    merged = tl.zeros_like(top)
+    for slot in tl.static_range(TOPN):
+        best = tl.maximum(tl.max(top, 1), tl.max(cand, 1))[:, None]
+        merged = tl.where(slots == slot, best, merged)
+        top = tl.where(top == best, 0, top)
+        cand = tl.where(cand == best, 0, cand)
+    return merged
+
+
+@triton.jit
+def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr, M, k,
+                      comp_visible, overlap, m_start, qk_scale, acc,
+                      HEADS_PER_SELECTION: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Adds ``p @ overlap`` for one tile of compressed keys, summed over the heads that
+    share the selection. ``p = exp(s - lse)`` are the forward's probabilities."""
+    rows = m_start + tl.arange(0, BLOCK_M)
+    for g in range(HEADS_PER_SELECTION):
+        q_ptr = _head_pointers(Q, z, first_head + g, stride_qz, stride_qh)
+        q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
+        lse = _load_lse_log2(lse_ptr + g * M, rows, M)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        p = tl.where(comp_visible, p, 0.0)
+        # tf32x3 keeps the importances close to fp32, so near-ties rank as in fp32.
+        acc += tl.dot(p, overlap, input_precision="tf32x3")
+    return acc
+
+
+@triton.jit
+def _select_blocks_kernel(
+    Q, K, LSE, INDICES, MASK, SCORES,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    HS, M, N, NUM_MEM, CBS, STRIDE, SBS, NSEL, qk_scale,
+    GQA_SHARED_HEADS: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, TOPN: tl.constexpr, TOPN_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    S_STEP: tl.constexpr, NUM_C_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # INDICES, MASK, SCORES: [Z, HS, M, TOPN], contiguous.
+    zs = tl.program_id(0)
+    z, hs = zs // HS, zs % HS
+    m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    NC = N - NUM_MEM
+    first_head = hs * HEADS_PER_SELECTION
+    k_ptr = _head_pointers(K, z, first_head // GQA_SHARED_HEADS, stride_kz, stride_kh)
+    lse_ptr = LSE + (z.to(tl.int64) * HS * HEADS_PER_SELECTION + first_head) * M
+
+    rows = m_start + tl.arange(0, BLOCK_M)
+    visible = _num_visible(rows, NC, CBS, STRIDE, IS_CAUSAL)
+    # Candidates: blocks overlapping a visible compressed key, i.e. starting before the
+    # end of the last visible one; never the query's own block in causal mode.
+    block_limit = tl.where(visible > 0, ((visible - 1) * STRIDE + CBS + SBS - 1) // SBS, 0)
+    block_limit = tl.where(rows < M, tl.minimum(block_limit, NSEL), 0)
+    own_block = rows // SBS
+
+    lanes = tl.arange(0, BLOCK_S)
+    top = tl.zeros([BLOCK_M, TOPN_PAD], dtype=tl.int64)
+    for block_start in range(0, tl.max(block_limit, 0), S_STEP):
+        blocks = block_start + lanes
+        block_used = (lanes < S_STEP) & (blocks < NSEL)
+        token_start = block_start * SBS - CBS
+        comp_start = tl.where(token_start >= 0, token_start // STRIDE + 1, 0)
+        acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
+        for tile in tl.static_range(NUM_C_TILES):
+            comp = comp_start + tile * BLOCK_C + tl.arange(0, BLOCK_C)
+            k = _load_rows(k_ptr, NUM_MEM + comp_start + tile * BLOCK_C, stride_kn, N,
+                           BLOCK_C, BLOCK_D, HEAD_DIM)
+            overlap = ((comp[:, None] * STRIDE < (blocks[None, :] + 1) * SBS)
+                       & (blocks[None, :] * SBS < comp[:, None] * STRIDE + CBS)
+                       & block_used[None, :] & (comp[:, None] < NC)).to(tl.float32)
+            comp_visible = comp[None, :] < visible[:, None]
+            acc = _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr,
+                                    M, k, comp_visible, overlap, m_start, qk_scale, acc,
+                                    HEADS_PER_SELECTION, BLOCK_M, BLOCK_D, HEAD_DIM)
+
+        selectable = block_used[None, :] & (blocks[None, :] < block_limit[:, None])
+        if IS_CAUSAL:
+            selectable &= blocks[None, :] != own_block[:, None]
+        # Importances are >= 0, so their fp32 bit patterns order like the values; the
+        # block index in the low word makes every key unique. 0 marks "no candidate".
+        score_bits = acc.to(tl.int32, bitcast=True).to(tl.int64) + 1
+        cand = tl.where(selectable, (score_bits << 32) | blocks[None, :].to(tl.int64), 0)
+        weakest = tl.min(tl.where(tl.arange(0, TOPN_PAD)[None, :] < TOPN, top,
+                                  0x7FFFFFFFFFFFFFFF), 1)
+        if tl.max((tl.max(cand, 1) > weakest).to(tl.int32), 0) > 0:
+            top = _merge_top(top, cand, TOPN, TOPN_PAD)
+
+    found = top > 0
+    index = tl.where(found, top - ((top >> 32) << 32), 0)
+    score = ((top >> 32) - 1).to(tl.int32).to(tl.float32, bitcast=True)
+    score = tl.where(found, score, 0.0)
+    slots = tl.arange(0, TOPN_PAD)
+    offs = (zs.to(tl.int64) * M + rows[:, None]) * TOPN + slots[None, :]
+    store_mask = (rows[:, None] < M) & (slots[None, :] < TOPN)
+    tl.store(INDICES + offs, index, mask=store_mask)
+    tl.store(MASK + offs, found, mask=store_mask)
+    tl.store(SCORES + offs, score, mask=store_mask)
+
+
+# ---------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    compress_block_size: int
+    compress_stride: int
+    num_mem: int
+    causal: bool
+    scale: float
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    block_m: int
+    block_n: int
+    block_c: int
+    block_s: int
+    num_warps: int
+    num_stages: int
+
+
+def _tiles(device: torch.device) -> _Tiles:
+    if device.type == "cuda":
+        return _Tiles(block_m=64, block_n=64, block_c=64, block_s=16, num_warps=4, num_stages=2)
+    # Interpreter: small tiles so that short test sequences still span several tiles.
+    return _Tiles(block_m=16, block_n=16, block_c=16, block_s=16, num_warps=1, num_stages=1)
+
+
+def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a kernel writes comes from here (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _block_d(head_dim: int) -> int:
+    # tl.dot needs every dimension >= 16.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _rows_last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The kernels address rows by stride and assume unit stride along the head dim."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bhm_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [b, hq, n, d], ck, cv: [b, hk, N, d] -> (out [b, hq, n, d], lse [b, hq, n] fp32)."""
+    b, hq, n, d = q.shape
+    hk, num_keys = ck.shape[1], ck.shape[2]
+    tiles = _tiles(q.device)
+    out = _allocate((b, hq, n, d), q.dtype, q.device)
+    lse = _allocate((b, hq, n), torch.float32, q.device)
+    grid = (b * hq, triton.cdiv(n, tiles.block_m))
+    _attention_fwd_kernel[grid](
+        q, ck, cv, out, lse,
+        *_bhm_strides(q), *_bhm_strides(ck), *_bhm_strides(cv), *_bhm_strides(out),
+        hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
+        geo.scale * LOG2E,
+        GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=_block_d(d),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out, lse
+
+
+def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry):
+    """Gradients of ``_attention_forward``: (dq [b, hq, n, d], dck, dcv [b, hk, N, d])."""
+    b, hq, n, d = q.shape
+    hk, num_keys = ck.shape[1], ck.shape[2]
+    tiles = _tiles(q.device)
+    block_d = _block_d(d)
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, num_warps=tiles.num_warps)
+
+    delta = _allocate((b, hq, n), torch.float32, q.device)
+    _output_grad_dot_kernel[(b * hq, triton.cdiv(n, tiles.block_m))](
+        out, dout, delta, *_bhm_strides(out), *_bhm_strides(dout), hq, n,
+        BLOCK_M=tiles.block_m, **common,
+    )
+    args = (
+        *_bhm_strides(q), *_bhm_strides(ck), *_bhm_strides(cv), *_bhm_strides(dout),
+    )
+    geometry = (hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
+                geo.scale * LOG2E, geo.scale)
+    meta = dict(GQA_SHARED_HEADS=hq // hk, IS_CAUSAL=geo.causal, BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, num_stages=tiles.num_stages, **common)
+
+    # Per query head partials, summed over each group below: no atomics, deterministic.
+    dk_part = _allocate((b, hq, num_keys, d), torch.float32, q.device)
+    dv_part = _allocate((b, hq, num_keys, d), torch.float32, q.device)
+    if num_keys > 0:
+        _attention_bwd_dkdv_kernel[(b * hq, triton.cdiv(num_keys, tiles.block_n))](
+            q, ck, cv, dout, lse, delta, dk_part, dv_part, *args, *geometry, **meta,
+        )
+    dq = _allocate((b, hq, n, d), q.dtype, q.device)
+    _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, tiles.block_m))](
+        q, ck, cv, dout, lse, delta, dq, *args, *_bhm_strides(dq), *geometry, **meta,
+    )
+    dck = dk_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(ck.dtype)
+    dcv = dv_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(cv.dtype)
+    return dq, dck, dcv
+
+
+class _CompressedAttention(torch.autograd.Function):
+    """Flash-style compressed attention; ``lse`` is returned but not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, ck, cv, geo: _Geometry):
+        out, lse = _attention_forward(q, ck, cv, geo)
+        ctx.save_for_backward(q, ck, cv, out, lse)
+        ctx.geo = geo
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, ck, cv, out, lse = ctx.saved_tensors
+        dq, dck, dcv = _attention_backward(
+            _rows_last_contiguous(dout), q, ck, cv, out, lse, ctx.geo
+        )
+        return dq, dck, dcv, None
+
+
+def _chunk_layout(compress_block_size, compress_stride, selection_block_size, tiles: _Tiles):
+    """(S_STEP, NUM_C_TILES): selection blocks per chunk and compressed-key tiles that
+    cover the compressed keys overlapping them, chosen to waste as few lanes as possible."""
+
+    def span(num_blocks: int) -> int:
+        # Upper bound on the compressed keys overlapping num_blocks consecutive blocks.
+        return (num_blocks * selection_block_size + compress_block_size - 1) // compress_stride + 1
+
+    num_c_tiles = math.ceil(span(1) / tiles.block_c)
+    s_step = max(s for s in range(1, tiles.block_s + 1) if span(s) <= num_c_tiles * tiles.block_c)
+    return s_step, num_c_tiles
+
+
+@torch.no_grad()
+def _select(q, ck, lse, geo: _Geometry, selection_block_size, num_selected, share_selection):
+    """Top-``num_selected`` selection blocks per query from the forward's ``lse``.
+
+    q: [b, hq, n, d], ck: [b, hk, N, d], lse: [b, hq, n] -> BlockSelection of
+    [b, hs, n, num_selected] tensors.
+    """
+    b, hq, n, d = q.shape
+    hk, num_keys = ck.shape[1], ck.shape[2]
+    hs = hk if share_selection else hq
+    indices = _allocate((b, hs, n, num_selected), torch.int64, q.device)
+    mask = _allocate((b, hs, n, num_selected), torch.bool, q.device)
+    scores = _allocate((b, hs, n, num_selected), torch.float32, q.device)
+    if num_selected == 0:
+        return BlockSelection(indices, mask, scores)
+    tiles = _tiles(q.device)
+    s_step, num_c_tiles = _chunk_layout(
+        geo.compress_block_size, geo.compress_stride, selection_block_size, tiles
+    )
+    grid = (b * hs, triton.cdiv(n, tiles.block_m))
+    _select_blocks_kernel[grid](
+        q, ck, lse, indices, mask, scores,
+        *_bhm_strides(q), *_bhm_strides(ck),
+        hs, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
+        selection_block_size, num_selection_blocks(n, selection_block_size),
+        geo.scale * LOG2E,
+        GQA_SHARED_HEADS=hq // hk, HEADS_PER_SELECTION=hq // hs, HEAD_DIM=d,
+        IS_CAUSAL=geo.causal, TOPN=num_selected,
+        TOPN_PAD=triton.next_power_of_2(num_selected),
+        BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_c, BLOCK_S=tiles.block_s,
+        S_STEP=s_step, NUM_C_TILES=num_c_tiles, BLOCK_D=_block_d(d),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return BlockSelection(indices, mask, scores)
+
+
+def _reference_attend_and_select(q, ck, cv, geo: _Geometry, selection_block_size,
+                                 num_selected, share_selection):
+    """The CPU path: the PyTorch reference, which materialises [n, nc] probabilities."""
+    out, lse, probs = compressed_attend(
+        q, ck, cv, geo.compress_block_size, geo.compress_stride, geo.num_mem,
+        causal=geo.causal, scale=geo.scale, return_probs=True,
+    )
+    hk, num_keys = ck.shape[1], ck.shape[2]
+    n = q.shape[2]
+    num_compressed = num_keys - geo.num_mem
+    num_selection = num_selection_blocks(n, selection_block_size)
+    scores = selection_block_scores(
+        probs.detach()[..., geo.num_mem:], geo.compress_block_size, geo.compress_stride,
+        selection_block_size, num_selection, kv_heads=hk if share_selection else None,
+    )
+    selectable = selectable_blocks(
+        n, 0, num_compressed, geo.compress_block_size, geo.compress_stride,
+        selection_block_size, num_selection, geo.causal, q.device,
+    )
+    return out, lse.float(), select_blocks(scores, selectable, num_selected)
+
+
+def _use_kernels(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_positive(name: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _validate(q, ck, cv, compress_block_size, compress_stride, num_mem,
+              selection_block_size, num_selected, scale) -> None:
+    for name, t in (("q", q), ("ck", ck), ("cv", cv)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d tensor [b, h, len, d], got "
+                             f"{getattr(t, 'shape', type(t))}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    b, hq, n, d = q.shape
+    if n == 0:
+        raise ValueError("q must hold at least one query")
+    if cv.shape != ck.shape:
+        raise ValueError(f"cv must have the shape of ck {tuple(ck.shape)}, got {tuple(cv.shape)}")
+    if ck.dtype != q.dtype or cv.dtype != q.dtype:
+        raise ValueError(f"ck and cv must have q's dtype {q.dtype}, got {ck.dtype}, {cv.dtype}")
+    if ck.shape[0] != b or ck.shape[3] != d:
+        raise ValueError(f"ck must be [b={b}, hk, len, d={d}], got {tuple(ck.shape)}")
+    if ck.shape[1] == 0 or hq % ck.shape[1] != 0:
+        raise ValueError(f"ck's {ck.shape[1]} heads must divide q's {hq} heads")
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        raise ValueError(f"q's head dim must be in [1, {_MAX_HEAD_DIM}], got {d}")
+    _check_positive("compress_block_size", compress_block_size)
+    _check_positive("compress_stride", compress_stride)
+    _check_positive("selection_block_size", selection_block_size)
+    _check_positive("num_mem", num_mem, minimum=0)
+    _check_positive("num_selected", num_selected, minimum=0)
+    if num_mem > ck.shape[2]:
+        raise ValueError(f"num_mem={num_mem} exceeds ck's {ck.shape[2]} keys")
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+
+
+def compressed_attend_and_select(
+    q: torch.Tensor,
+    ck: torch.Tensor,
+    cv: torch.Tensor,
+    compress_block_size: int,
+    compress_stride: int,
+    num_mem: int,
+    selection_block_size: int,
+    num_selected: int,
+    causal: bool = True,
+    share_selection: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, BlockSelection]:
+    """Compressed-branch attention and the selection blocks it ranks, without ever
+    materialising the ``[n, nc]`` probabilities.
+
+    q: [b, hq, n, d] for queries at positions ``0 .. n - 1``; ck, cv: [b, hk, num_mem + nc, d]
+    (memory keys first; compressed key ``c`` covers tokens
+    ``[c * compress_stride, c * compress_stride + compress_block_size)``), all of one dtype
+    among bf16 / fp16 / fp32, ``d <= 128``, ``hq % hk == 0``.
+
+    Returns ``out: [b, hq, n, d]`` (q's dtype, differentiable w.r.t. q, ck, cv), ``lse:
+    [b, hq, n]`` float32 (``-inf`` for a query with no key, whose output is 0), and the
+    ``BlockSelection`` of ``num_selected`` blocks of ``selection_block_size`` tokens per
+    query, as ``selection.select_blocks`` defines it: ``[b, hs, n, num_selected]`` with
+    ``hs = hk`` when ``share_selection`` (importance summed over the group) else ``hq``.
+    The selection is not differentiable. fp32 inputs use TF32 matmuls on the GPU.
+
+    CUDA tensors (or any tensors with ``TRITON_INTERPRET=1``) run the Triton kernels;
+    other CPU tensors fall back to the PyTorch reference and ``selection.py``, which do
+    materialise ``[b, hq, n, nc]``.
+    """
+    _validate(q, ck, cv, compress_block_size, compress_stride, num_mem,
+              selection_block_size, num_selected, scale)
+    geo = _Geometry(compress_block_size, compress_stride, num_mem, bool(causal),
+                    float(q.shape[-1] ** -0.5 if scale is None else scale))
+    if not _use_kernels(q.device):
+        return _reference_attend_and_select(q, ck, cv, geo, selection_block_size,
+                                            num_selected, share_selection)
+    q, ck, cv = (_rows_last_contiguous(t) for t in (q, ck, cv))
+    out, lse = _CompressedAttention.apply(q, ck, cv, geo)
+    selection = _select(q.detach(), ck.detach(), lse, geo, selection_block_size,
+                        num_selected, share_selection)
+    return out, lse, selection

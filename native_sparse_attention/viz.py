@@ -1,0 +1,597 @@
+"""See what a ``SparseAttention`` layer does: which key blocks each query selects, the
+importance scores behind that choice, how the gates weigh the three branches and what the
+compressed branch attends.
+
+Recording is opt-in::
+
+    with record(model) as recorders:      # one dict per SparseAttention layer
+        model(ids)
+
+or, in one call, ``record_forward(model, ids, layer=0)``, which returns an
+``AttentionRecord``. Every ``plot_*`` function takes either such a record or a
+``SparseAttention`` layer and its input ``x: [b, n, dim]``, and returns a
+``matplotlib.figure.Figure``. Figures are built without pyplot, so a library caller never
+accumulates open figures; in a notebook, ``display(fig)`` shows one.
+
+Command line (PNG files for a ``train.py`` checkpoint)::
+
+    python -m native_sparse_attention.viz --checkpoint run/checkpoints/step-00000050.pt \\
+        --text "Some text" --out figures [--layer 0] [--head 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.colors import ListedColormap, LogNorm
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from torch import nn
+
+from native_sparse_attention.selection import selectable_blocks
+from native_sparse_attention.sparse_attention import SparseAttention
+from native_sparse_attention.transformer import Transformer
+
+__all__ = [
+    "AttentionRecord",
+    "byte_labels",
+    "encode_text",
+    "load_checkpoint",
+    "plot_block_scores",
+    "plot_compressed_attention",
+    "plot_gates",
+    "plot_selection_map",
+    "record",
+    "record_forward",
+    "sparse_attention_layers",
+]
+
+GATE_NAMES = ("compressed", "selected", "sliding")
+# One colour per branch, shared by every figure so the gates plot reads like a legend for the maps.
+BRANCH_COLORS = {"compressed": "#7b3294", "selected": "#1f5fa8", "sliding": "#1a9641"}
+OWN_BLOCK_COLOR = "#f08c00"
+UNAVAILABLE_COLOR = "#d9d9d9"
+
+# Selection map cell categories, in colormap order.
+_NOT_SELECTABLE, _CANDIDATE, _SELECTED, _OWN_BLOCK = range(4)
+_SELECTION_CMAP = ListedColormap(["#d9d9d9", "#ffffff", BRANCH_COLORS["selected"], OWN_BLOCK_COLOR])
+
+# Gates often sit on the same value (they start equal): a wide pale line under a dashed one
+# keeps both visible where they coincide.
+_GATE_LINE_STYLES = {
+    "compressed": dict(linewidth=3.0, alpha=0.55),
+    "selected": dict(linewidth=1.4, linestyle="--"),
+    "sliding": dict(linewidth=1.4),
+}
+_PANEL_INCHES = 3.8
+_MAX_COLUMNS = 4
+# Above this many blocks the block-text tick labels would overlap; block numbers only.
+_MAX_LABELLED_BLOCKS = 32
+# Probabilities below this share the darkest colour of the compressed attention map.
+_MIN_PLOTTED_PROB = 1e-3
+
+
+# ---------------------------------------------------------------------------- recording
+
+
+def sparse_attention_layers(module: nn.Module) -> list[SparseAttention]:
+    """The ``SparseAttention`` layers inside ``module`` (itself included), in forward order
+    for a ``Transformer``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
+    return [m for m in module.modules() if isinstance(m, SparseAttention)]
+
+
+@contextmanager
+def record(module: nn.Module) -> Iterator[list[dict]]:
+    """Record the intermediates of every ``SparseAttention`` layer in ``module`` while the
+    context is open.
+
+    Yields one dict per layer (the order of ``sparse_attention_layers``); each forward pass
+    overwrites its layer's dict with detached tensors. The layers' previous recorders are
+    restored on exit, so recording is off again afterwards.
+    """
+    layers = sparse_attention_layers(module)
+    if not layers:
+        raise ValueError(f"{type(module).__name__} holds no SparseAttention layer to record")
+    previous = [layer.recorder for layer in layers]
+    recorders = [{} for _ in layers]
+    try:
+        for layer, recorder in zip(layers, recorders):
+            layer.recorder = recorder
+        yield recorders
+    finally:
+        for layer, recorder in zip(layers, previous):
+            layer.recorder = recorder
+
+
+@dataclass(frozen=True)
+class AttentionRecord:
+    """What one ``SparseAttention`` forward pass computed for one sequence of ``n`` tokens.
+
+    compressed_probs: [hq, n, num_mem + nc], compressed-branch attention (memory keys first).
+    block_scores: [hs, n, nsb], importance of each selection block (0 where not selectable).
+    selected_indices, selected_mask: [hs, n, num_selected], the top-n blocks per query.
+    gates: [3, hq, n], the compressed, selected and sliding gate values.
+    tokens: one display label per position, or None.
+
+    ``hs`` is ``kv_heads`` when the query heads of a GQA group share their selection
+    (``shared_selection``), ``heads`` otherwise. The remaining fields copy the layer's
+    geometry so a record can be plotted without its layer.
+    """
+
+    compressed_probs: torch.Tensor
+    block_scores: torch.Tensor
+    selected_indices: torch.Tensor
+    selected_mask: torch.Tensor
+    gates: torch.Tensor
+    heads: int
+    kv_heads: int
+    shared_selection: bool
+    selection_block_size: int
+    compress_block_size: int
+    compress_stride: int
+    num_mem: int
+    sliding_window_size: int
+    causal: bool
+    tokens: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_layer(
+        cls,
+        layer: SparseAttention,
+        recorder: dict,
+        batch_index: int = 0,
+        tokens: Sequence[str] | None = None,
+    ) -> "AttentionRecord":
+        """Take sequence ``batch_index`` out of what ``layer`` wrote into ``recorder``."""
+        needed = ("compressed_probs", "block_scores", "selected_indices", "selected_mask", "gates")
+        missing = [name for name in needed if name not in recorder]
+        if missing:
+            raise ValueError(
+                f"the recorder lacks {', '.join(missing)}: run a full forward pass on the PyTorch path "
+                "(on CPU, or with use_triton_kernel=False, whose fused kernels do not record them)"
+            )
+        batch_size = recorder["gates"].shape[1]
+        if not 0 <= batch_index < batch_size:
+            raise ValueError(f"batch_index must be in [0, {batch_size}), got {batch_index}")
+        seq_len = recorder["gates"].shape[-1]
+        if tokens is not None and len(tokens) != seq_len:
+            raise ValueError(f"tokens must hold one label per position ({seq_len}), got {len(tokens)}")
+        return cls(
+            compressed_probs=recorder["compressed_probs"][batch_index].float().cpu(),
+            block_scores=recorder["block_scores"][batch_index].float().cpu(),
+            selected_indices=recorder["selected_indices"][batch_index].cpu(),
+            selected_mask=recorder["selected_mask"][batch_index].cpu(),
+            gates=recorder["gates"][:, batch_index].float().cpu(),
+            heads=layer.heads,
+            kv_heads=layer.kv_heads,
+            shared_selection=layer.share_selection,
+            selection_block_size=layer.selection_block_size,
+            compress_block_size=layer.compress_block_size,
+            compress_stride=layer.compress_stride,
+            num_mem=layer.num_mem,
+            sliding_window_size=layer.sliding_window_size,
+            causal=layer.causal,
+            tokens=None if tokens is None else tuple(tokens),
+        )
+
+    @property
+    def seq_len(self) -> int:
+        return self.gates.shape[-1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_scores.shape[-1]
+
+    @property
+    def num_compressed(self) -> int:
+        return self.compressed_probs.shape[-1] - self.num_mem
+
+    @property
+    def selection_heads(self) -> int:
+        return self.block_scores.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head."""
+        return self.heads // self.kv_heads
+
+    def selectable(self) -> np.ndarray:
+        """[n, nsb] bool: the blocks each query could have selected."""
+        return selectable_blocks(
+            self.seq_len, 0, self.num_compressed, self.compress_block_size, self.compress_stride,
+            self.selection_block_size, self.num_blocks, self.causal,
+        ).numpy()
+
+    def selection_categories(self, selection_head: int) -> np.ndarray:
+        """[n, nsb] int: not selectable, candidate, selected or own block, per query and block."""
+        grid = np.where(self.selectable(), _CANDIDATE, _NOT_SELECTABLE)
+        indices = self.selected_indices[selection_head].numpy()
+        mask = self.selected_mask[selection_head].numpy()
+        rows, slots = np.nonzero(mask)
+        grid[rows, indices[rows, slots]] = _SELECTED
+        if self.causal:
+            # The selection branch always attends the query's own block (it is never a candidate).
+            positions = np.arange(self.seq_len)
+            grid[positions, positions // self.selection_block_size] = _OWN_BLOCK
+        return grid
+
+
+def record_forward(
+    module: nn.Module,
+    inputs: torch.Tensor,
+    layer: int = 0,
+    batch_index: int = 0,
+    tokens: Sequence[str] | None = None,
+) -> AttentionRecord:
+    """Run ``module(inputs)`` without gradients and return the record of its ``layer``-th
+    ``SparseAttention`` layer for sequence ``batch_index``.
+
+    ``module`` is a ``SparseAttention`` (``inputs: [b, n, dim]``) or a model holding some,
+    such as a ``Transformer`` (``inputs``: token ids ``[b, n]``).
+    """
+    layers = sparse_attention_layers(module)
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer must be in [0, {len(layers)}) for this model, got {layer}")
+    with record(module) as recorders, torch.no_grad():
+        module(inputs)
+    return AttentionRecord.from_layer(layers[layer], recorders[layer], batch_index, tokens)
+
+
+def _as_record(source, x: torch.Tensor | None) -> AttentionRecord:
+    if isinstance(source, AttentionRecord):
+        if x is not None:
+            raise ValueError("pass x only with a SparseAttention layer; a record already holds its forward pass")
+        return source
+    if isinstance(source, SparseAttention):
+        if x is None:
+            raise ValueError("plotting a SparseAttention layer needs its input x: [b, n, dim]")
+        return record_forward(source, x)
+    raise TypeError(f"expected an AttentionRecord or a SparseAttention layer, got {type(source).__name__}")
+
+
+# ---------------------------------------------------------------------------- text helpers
+
+
+def encode_text(text: str) -> torch.Tensor:
+    """UTF-8 bytes of ``text`` as byte-level token ids, ``[n]`` (int64)."""
+    if not isinstance(text, str) or not text:
+        raise ValueError("text must be a non-empty string")
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def byte_labels(ids: torch.Tensor) -> list[str]:
+    """One printable character per byte token: '·' for a space, '↵' for a newline, '?' for
+    anything outside printable ASCII."""
+    labels = []
+    for byte in ids.tolist():
+        if byte == ord(" "):
+            labels.append("·")
+        elif byte == ord("\n"):
+            labels.append("↵")
+        elif 33 <= byte < 127:
+            labels.append(chr(byte))
+        else:
+            labels.append("?")
+    return labels
+
+
+# ---------------------------------------------------------------------------- figure helpers
+
+
+def _panels(num_panels: int, aspect: float = 1.0) -> tuple[Figure, list[Axes]]:
+    columns = min(num_panels, _MAX_COLUMNS)
+    rows = -(-num_panels // columns)
+    fig = Figure(figsize=(_PANEL_INCHES * columns + 1.2, _PANEL_INCHES * aspect * rows + 0.9), layout="constrained")
+    grid = fig.subplots(rows, columns, squeeze=False)
+    for ax in grid.flat[num_panels:]:
+        fig.delaxes(ax)
+    return fig, list(grid.flat[:num_panels])
+
+
+def _check_head(head: int | None, heads: int) -> None:
+    if head is None:
+        return
+    if isinstance(head, bool) or not isinstance(head, int):
+        raise TypeError(f"head must be an int or None, got {type(head).__name__}")
+    if not 0 <= head < heads:
+        raise ValueError(f"head must be in [0, {heads}) (the layer's query heads), got {head}")
+
+
+def _selection_panels(rec: AttentionRecord, head: int | None) -> list[tuple[int, str]]:
+    """(selection head, panel title) pairs; ``head`` is a query head, mapped to its GQA
+    group when the group shares one selection."""
+    _check_head(head, rec.heads)
+    if rec.shared_selection:
+        groups = range(rec.kv_heads) if head is None else [head // rec.group_size]
+        if rec.group_size == 1:
+            return [(g, f"head {g}") for g in groups]
+        return [
+            (g, f"GQA group {g} (query heads {g * rec.group_size}–{(g + 1) * rec.group_size - 1})")
+            for g in groups
+        ]
+    heads = range(rec.heads) if head is None else [head]
+    return [(h, f"head {h}") for h in heads]
+
+
+def _query_heads(rec: AttentionRecord, head: int | None) -> list[int]:
+    _check_head(head, rec.heads)
+    return list(range(rec.heads)) if head is None else [head]
+
+
+def _block_texts(rec: AttentionRecord) -> list[str] | None:
+    if rec.tokens is None or rec.num_blocks > _MAX_LABELLED_BLOCKS:
+        return None
+    size = rec.selection_block_size
+    return ["".join(rec.tokens[j * size:(j + 1) * size]) for j in range(rec.num_blocks)]
+
+
+def _label_block_axis(ax: Axes, rec: AttentionRecord) -> None:
+    """Key blocks on the x axis, centred on their cells, with their text when known."""
+    texts = _block_texts(rec)
+    blocks = np.arange(rec.num_blocks)
+    if texts is None:
+        step = max(1, rec.num_blocks // 12)
+        ax.set_xticks(blocks[::step] + 0.5, [str(j) for j in blocks[::step]])
+    else:
+        ax.set_xticks(blocks + 0.5, [f"{j} {text}" for j, text in zip(blocks, texts)],
+                      rotation=90, fontsize=6, family="monospace")
+    ax.set_xlabel(f"key block ({rec.selection_block_size} tokens each)")
+
+
+def _block_image_extent(rec: AttentionRecord) -> tuple[float, float, float, float]:
+    # Block j spans x in [j, j + 1); query i is the row centred on y = i, earliest at the top.
+    return (0.0, float(rec.num_blocks), rec.seq_len - 0.5, -0.5)
+
+
+def _draw_sliding_window(ax: Axes, rec: AttentionRecord) -> None:
+    """Outline the keys each query's sliding window covers, in block units."""
+    positions = np.arange(rec.seq_len)
+    window = rec.sliding_window_size
+    first = np.maximum(positions - window, 0)
+    last = positions if rec.causal else np.minimum(positions + window, rec.seq_len - 1)
+    size = rec.selection_block_size
+    color = BRANCH_COLORS["sliding"]
+    ax.fill_betweenx(positions, first / size, (last + 1) / size, facecolor="none",
+                     edgecolor=color, hatch="////", linewidth=0, alpha=0.6)
+    ax.plot(first / size, positions, color=color, linewidth=1.2)
+    ax.plot((last + 1) / size, positions, color=color, linewidth=1.2)
+
+
+def _window_legend_handle(rec: AttentionRecord) -> Patch:
+    return Patch(facecolor="none", edgecolor=BRANCH_COLORS["sliding"], hatch="////",
+                 label=f"sliding window ({rec.sliding_window_size} tokens)")
+
+
+# ---------------------------------------------------------------------------- plots
+
+
+def plot_selection_map(source, x: torch.Tensor | None = None, *, head: int | None = None) -> Figure:
+    """Which key blocks each query attends in the selection branch.
+
+    Rows are query positions, columns key blocks: the top-n selected blocks, the query's own
+    block (the block-causal diagonal, always attended in a causal layer), blocks that could
+    have been chosen but were not, and blocks no query could see yet. The sliding window's
+    span is hatched on top. One panel per GQA group when the group shares its selection,
+    per query head otherwise; ``head`` (a query head) keeps only its panel.
+    """
+    rec = _as_record(source, x)
+    panels = _selection_panels(rec, head)
+    fig, axes = _panels(len(panels), aspect=1.15)
+    for ax, (selection_head, title) in zip(axes, panels):
+        ax.imshow(rec.selection_categories(selection_head), cmap=_SELECTION_CMAP, vmin=-0.5, vmax=3.5,
+                  interpolation="nearest", aspect="auto", extent=_block_image_extent(rec))
+        _draw_sliding_window(ax, rec)
+        ax.set_xlim(0, rec.num_blocks)
+        ax.set_ylim(rec.seq_len - 0.5, -0.5)
+        _label_block_axis(ax, rec)
+        ax.set_ylabel("query position")
+        ax.set_title(title)
+    handles = [
+        Patch(facecolor=BRANCH_COLORS["selected"], label=f"selected (top {rec.selected_indices.shape[-1]})"),
+        Patch(facecolor="#ffffff", edgecolor="#999999", label="candidate, not selected"),
+        Patch(facecolor=UNAVAILABLE_COLOR, label="not selectable (no visible compressed block)"),
+        _window_legend_handle(rec),
+    ]
+    if rec.causal:
+        handles.insert(1, Patch(facecolor=OWN_BLOCK_COLOR, label="own block (block-causal diagonal)"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3), fontsize=8, frameon=False)
+    fig.suptitle("NSA selection map: key blocks attended by each query")
+    return fig
+
+
+def plot_block_scores(source, x: torch.Tensor | None = None, *, head: int | None = None) -> Figure:
+    """The importance score of every key block for every query, from which the top-n
+    selection is taken: the compressed-branch attention mass on the compressed blocks that
+    overlap the key block (summed over the GQA group when it shares its selection).
+    Dots mark the blocks that were selected; grey cells could not be selected."""
+    rec = _as_record(source, x)
+    panels = _selection_panels(rec, head)
+    fig, axes = _panels(len(panels), aspect=1.15)
+    selectable = rec.selectable()
+    vmax = max(float(rec.block_scores.max()), 1e-6)
+    image = None
+    for ax, (selection_head, title) in zip(axes, panels):
+        scores = np.ma.masked_where(~selectable, rec.block_scores[selection_head].numpy())
+        image = ax.imshow(scores, cmap=_masked_cmap("viridis"), vmin=0.0, vmax=vmax, interpolation="nearest",
+                          aspect="auto", extent=_block_image_extent(rec))
+        mask = rec.selected_mask[selection_head].numpy()
+        rows, slots = np.nonzero(mask)
+        blocks = rec.selected_indices[selection_head].numpy()[rows, slots]
+        ax.scatter(blocks + 0.5, rows, s=2.0, color="#ff4040", marker="o", linewidths=0)
+        ax.set_xlim(0, rec.num_blocks)
+        ax.set_ylim(rec.seq_len - 0.5, -0.5)
+        _label_block_axis(ax, rec)
+        ax.set_ylabel("query position")
+        ax.set_title(title)
+    what = "summed over the group" if rec.shared_selection and rec.group_size > 1 else "per head"
+    fig.colorbar(image, ax=axes, shrink=0.8, label=f"block importance ({what})")
+    handles = [
+        Line2D([], [], linestyle="none", marker="o", markersize=4, color="#ff4040", label="selected block"),
+        Patch(facecolor=UNAVAILABLE_COLOR, label="not selectable"),
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    fig.suptitle("NSA block importance scores (compressed attention mass per key block)")
+    return fig
+
+
+def plot_gates(source, x: torch.Tensor | None = None, *, head: int | None = None) -> Figure:
+    """The three sigmoid gates (compressed, selected, sliding) along the sequence, one panel
+    per query head (or only ``head``)."""
+    rec = _as_record(source, x)
+    heads = _query_heads(rec, head)
+    columns = min(len(heads), 2)
+    rows = -(-len(heads) // columns)
+    fig = Figure(figsize=(6.0 * columns + 0.5, 2.2 * rows + 1.0), layout="constrained")
+    grid = fig.subplots(rows, columns, squeeze=False, sharex=True, sharey=True)
+    for ax in grid.flat[len(heads):]:
+        fig.delaxes(ax)
+    axes = list(grid.flat[:len(heads)])
+    positions = np.arange(rec.seq_len)
+    for ax, h in zip(axes, heads):
+        for gate, name in enumerate(GATE_NAMES):
+            ax.plot(positions, rec.gates[gate, h].numpy(), color=BRANCH_COLORS[name], **_GATE_LINE_STYLES[name])
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlim(0, max(rec.seq_len - 1, 1))
+        ax.grid(alpha=0.3)
+        ax.set_title(f"head {h}", fontsize=10)
+        ax.set_xlabel("query position")
+        ax.set_ylabel("gate value")
+        ax.label_outer()
+    handles = [Line2D([], [], color=BRANCH_COLORS[name], label=f"{name} branch", **_GATE_LINE_STYLES[name])
+               for name in GATE_NAMES]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=9, frameon=False)
+    fig.suptitle("NSA gates: how much each branch contributes to each query")
+    return fig
+
+
+def plot_compressed_attention(source, x: torch.Tensor | None = None, *, head: int | None = None) -> Figure:
+    """The compressed branch's attention probabilities: query position × compressed key
+    (the learned memory keys first, then one key per compression window), on a log colour
+    scale. Grey cells are windows a causal query cannot see yet."""
+    rec = _as_record(source, x)
+    heads = _query_heads(rec, head)
+    fig, axes = _panels(len(heads), aspect=1.15)
+    extent = (-0.5, rec.num_mem + rec.num_compressed - 0.5, rec.seq_len - 0.5, -0.5)
+    norm = LogNorm(vmin=_MIN_PLOTTED_PROB, vmax=1.0)
+    image = None
+    for ax, h in zip(axes, heads):
+        probs = rec.compressed_probs[h].numpy()
+        # Exact zeros are the causal mask; tiny positive probabilities are clipped to the scale.
+        shown = np.ma.masked_equal(probs, 0.0).clip(_MIN_PLOTTED_PROB, 1.0)
+        image = ax.imshow(shown, cmap=_masked_cmap("magma"), norm=norm, interpolation="nearest",
+                          aspect="auto", extent=extent)
+        if rec.num_mem:
+            ax.axvline(rec.num_mem - 0.5, color="#00b4d8", linewidth=1.0)
+        ax.set_xlabel(
+            f"compressed key: {rec.num_mem} memory, then window c = "
+            f"tokens [{rec.compress_stride}c, {rec.compress_stride}c+{rec.compress_block_size})",
+            fontsize=8,
+        )
+        ax.set_ylabel("query position")
+        ax.set_title(f"head {h}")
+    fig.colorbar(image, ax=axes, shrink=0.8, label="attention probability (log scale)")
+    handles = [Patch(facecolor=UNAVAILABLE_COLOR, label="not visible (window not complete before the query)")]
+    if rec.num_mem:
+        handles.append(Line2D([], [], color="#00b4d8", label="end of the memory keys"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    fig.suptitle("NSA compressed attention")
+    return fig
+
+
+def _masked_cmap(name: str):
+    cmap = colormaps[name].copy()
+    cmap.set_bad(UNAVAILABLE_COLOR)
+    return cmap
+
+
+# ---------------------------------------------------------------------------- checkpoints and CLI
+
+
+def load_checkpoint(path: str | Path) -> Transformer:
+    """The ``Transformer`` saved by ``train.py`` at ``path`` (a dict with ``"model"`` and
+    ``"model_config"``), on CPU in eval mode."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"checkpoint {path} does not exist or is not a file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for foreign or corrupt files
+        raise ValueError(f"could not read checkpoint {path}: {error}") from error
+    if not isinstance(checkpoint, dict) or not {"model", "model_config"} <= checkpoint.keys():
+        raise ValueError(f"{path} is not a train.py checkpoint: expected a dict with 'model' and 'model_config'")
+    model = Transformer(**checkpoint["model_config"])
+    model.load_state_dict(checkpoint["model"])
+    return model.eval()
+
+
+PLOTS: dict[str, Callable[..., Figure]] = {
+    "selection_map": plot_selection_map,
+    "block_scores": plot_block_scores,
+    "gates": plot_gates,
+    "compressed_attention": plot_compressed_attention,
+}
+
+
+def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog="python -m native_sparse_attention.viz",
+        description="Run a text through a train.py checkpoint and write PNG figures of one NSA layer: "
+        + ", ".join(f"{name}.png" for name in PLOTS) + ".",
+    )
+    parser.add_argument("--checkpoint", required=True, type=Path, help="checkpoint written by train.py (.pt)")
+    parser.add_argument("--text", required=True, help="text to run through the model (UTF-8 bytes are the tokens)")
+    parser.add_argument("--out", required=True, type=Path, help="directory for the PNG files (created if missing)")
+    parser.add_argument("--layer", type=int, default=0, help="index of the attention layer to plot (default: 0)")
+    parser.add_argument("--head", type=int, default=None,
+                        help="query head to plot (default: all heads; selection plots show its GQA group)")
+    parser.add_argument("--dpi", type=int, default=120, help="resolution of the PNG files (default: 120)")
+    return parser, parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, args = _parse_args(argv)
+    import matplotlib
+
+    # Files only: never let a configured interactive backend look for a display.
+    matplotlib.use("Agg")
+    if not args.text:
+        parser.error("--text must not be empty")
+    if args.dpi < 20:
+        parser.error(f"--dpi must be at least 20, got {args.dpi}")
+    try:
+        model = load_checkpoint(args.checkpoint)
+    except ValueError as error:
+        parser.error(str(error))
+    num_layers = len(sparse_attention_layers(model))
+    if num_layers == 0:
+        parser.error(f"{args.checkpoint} holds a full-attention model; there is no sparse attention to plot")
+    if not 0 <= args.layer < num_layers:
+        parser.error(f"--layer must be in [0, {num_layers}) for this model, got {args.layer}")
+    heads = sparse_attention_layers(model)[args.layer].heads
+    if args.head is not None and not 0 <= args.head < heads:
+        parser.error(f"--head must be in [0, {heads}) for this model, got {args.head}")
+
+    ids = encode_text(args.text)
+    rec = record_forward(model, ids[None], layer=args.layer, tokens=byte_labels(ids))
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, plot in PLOTS.items():
+        path = args.out / f"{name}.png"
+        plot(rec, head=args.head).savefig(path, dpi=args.dpi)
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Compressed-branch Triton kernels and the fused block selection against the reference.
+
+Without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set
+below before triton is imported, unless the environment already chose) on small float32 /
+float16 problems; with CUDA the same tests run compiled, plus the ``gpu`` ones at
+n >= 8192 in bf16. Every buffer the kernels write starts poisoned, so an element a
+kernel forgets to write shows up as NaN / a bogus index.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from native_sparse_attention.kernels import compressed  # noqa: E402
+from native_sparse_attention.kernels.compressed import compressed_attend_and_select  # noqa: E402
+from native_sparse_attention.reference import compressed_attend  # noqa: E402
+from native_sparse_attention.selection import (  # noqa: E402
+    num_compressed_blocks,
+    num_selection_blocks,
+    selectable_blocks,
+    select_blocks,
+    selection_block_scores,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = DEVICE.type == "cpu"
+if INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _fix_interpreter_index_for_numpy_2_4():
+    """Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``,
+    which NumPy >= 2.4 refuses for its 1-element arrays; loops whose bounds depend on
+    the program id then fail. Convert through the single element instead."""
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRETED:
+    _fix_interpreter_index_for_numpy_2_4()
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    def allocate(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if dtype.is_floating_point:
+            return t.fill_(float("nan"))
+        return t.fill_(True) if dtype == torch.bool else t.fill_(-7)
+
+    monkeypatch.setattr(compressed, "_allocate", allocate)
+
+
+def make_inputs(b, hq, hk, n, d, cbs, stride, num_mem, dtype, seed, heads_last=False):
+    """Fresh random q [b, hq, n, d], ck, cv [b, hk, num_mem + nc, d] on DEVICE.
+
+    ``heads_last`` builds them as transposed [b, len, h, d] views (non-contiguous)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_keys = num_mem + num_compressed_blocks(n, cbs, stride)
+
+    def rand(h, length, scale=1.0):
+        shape = (b, length, h, d) if heads_last else (b, h, length, d)
+        t = (torch.randn(shape, generator=gen) * scale).to(DEVICE, dtype)
+        return t.transpose(1, 2) if heads_last else t
+
+    # A larger query scale gives peaked attention, so block importances are well separated.
+    return rand(hq, n, 2.0), rand(hk, num_keys), rand(hk, num_keys)
+
+
+def reference(q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share):
+    """float64 out, lse, gradients, and the full importance matrix with its candidates."""
+    q64, ck64, cv64 = (t.detach().double().requires_grad_() for t in (q, ck, cv))
+    out, lse, probs = compressed_attend(q64, ck64, cv64, cbs, stride, num_mem, causal=causal,
+                                        return_probs=True)
+    out.backward(dout.double())
+    n, hk = q.shape[2], ck.shape[1]
+    nc, nsel = ck.shape[2] - num_mem, num_selection_blocks(n, sbs)
+    scores = selection_block_scores(probs.detach()[..., num_mem:], cbs, stride, sbs, nsel,
+                                    kv_heads=hk if share else None)
+    selectable = selectable_blocks(n, 0, nc, cbs, stride, sbs, nsel, causal, q.device)
+    return out, lse, (q64.grad, ck64.grad, cv64.grad), scores, selectable
+
+
+def assert_selection_matches(selection, scores, selectable, num_selected, tie_tol, score_tol):
+    """The kernel's top-n equals select_blocks' except where candidate scores tie within
+    ``tie_tol``; reported scores match the reference's to ``score_tol``."""
+    indices, mask, kernel_scores = (t.cpu() for t in selection)
+    scores = scores.double().cpu().masked_fill(~selectable.cpu(), float("-inf"))
+    expected = select_blocks(scores, selectable.cpu(), num_selected)
+    ranked = scores.sort(dim=-1, descending=True).values
+    assert torch.equal(mask, expected.mask)
+    assert (indices[~mask] == 0).all() and (kernel_scores[~mask] == 0).all()
+
+    # Any valid set of distinct candidates whose sorted scores match the reference top-n.
+    chosen = scores.gather(-1, indices).masked_fill(~mask, float("-inf"))
+    assert torch.isfinite(chosen[mask]).all(), "a chosen block is not a candidate"
+    ordered = indices.masked_fill(~mask, -1).sort(dim=-1).values
+    assert not ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()
+    top = min(num_selected, scores.shape[-1])
+    gap = (chosen[..., :top] - ranked[..., :top]).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    assert gap.abs().max() <= tie_tol
+
+    # Slots whose reference score is isolated from its neighbours by more than the
+    # tolerance must hold exactly the reference's block.
+    padded = torch.nn.functional.pad(ranked, (1, 1), value=float("-inf"))
+    padded[..., 0] = float("inf")
+    isolated = ((padded[..., :-2] - padded[..., 1:-1] > tie_tol)
+                & (padded[..., 1:-1] - padded[..., 2:] > tie_tol))[..., :top]
+    isolated = torch.nn.functional.pad(isolated, (0, num_selected - top), value=False) & mask
+    assert torch.equal(indices[isolated], expected.indices[isolated])
+    torch.testing.assert_close(kernel_scores[mask].double(), chosen[mask], atol=score_tol,
+                               rtol=score_tol)
+
+
+def tolerances(dtype):
+    """(output / gradient tolerance, selection tie tolerance, selection score tolerance)."""
+    if dtype == torch.float32 and INTERPRETED:
+        return 2e-5, 1e-6, 1e-6
+    if dtype == torch.float32:  # TF32 matmuls on the GPU
+        return 5e-3, 2e-3, 2e-3
+    return 2e-2, 2e-3, 2e-3
+
+
+def assert_close_scaled(actual, expected, tol):
+    """Elementwise closeness relative to the tensor's own magnitude."""
+    scale = expected.abs().max().clamp_min(1e-6).item()
+    torch.testing.assert_close(actual.double(), expected, atol=tol * scale, rtol=tol)
+
+
+def check_against_reference(b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, share,
+                            dtype=torch.float32, seed=0, heads_last=False):
+    q, ck, cv = make_inputs(b, hq, hk, n, d, cbs, stride, num_mem, dtype, seed, heads_last)
+    q.requires_grad_(), ck.requires_grad_(), cv.requires_grad_()
+    out, lse, selection = compressed_attend_and_select(
+        q, ck, cv, cbs, stride, num_mem, sbs, top, causal=causal, share_selection=share
+    )
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
+    out.backward(dout)
+    ref_out, ref_lse, ref_grads, scores, selectable = reference(
+        q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share
+    )
+    tol, tie_tol, score_tol = tolerances(dtype)
+
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert_close_scaled(out, ref_out, tol)
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=tol * 10, rtol=tol)
+    for name, grad, ref_grad in zip(("q", "ck", "cv"), (q.grad, ck.grad, cv.grad), ref_grads):
+        assert torch.isfinite(grad).all(), name
+        assert_close_scaled(grad, ref_grad, tol)
+    # A query that sees no key contributes nothing and gets exactly zero gradient.
+    assert (q.grad[empty] == 0).all() and (out[empty] == 0).all()
+    hs = hk if share else hq
+    assert selection.indices.shape == (b, hs, n, top) and selection.indices.dtype == torch.int64
+    assert_selection_matches(selection, scores, selectable, top, tie_tol, score_tol)
+
+
+# b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, share
+CASES = {
+    "odd_n_no_memory": (1, 2, 1, 67, 32, 8, 4, 0, 16, 3, True, True),
+    "group3_d48_per_head": (2, 6, 2, 50, 48, 8, 4, 2, 16, 2, True, False),
+    "non_causal": (1, 4, 4, 40, 16, 4, 2, 1, 8, 4, False, True),
+    "non_causal_per_head_d96": (1, 2, 1, 29, 96, 6, 3, 0, 8, 3, False, False),
+    "shorter_than_block_no_keys": (1, 2, 1, 5, 16, 8, 4, 0, 4, 2, True, True),
+    "shorter_than_block_memory_only": (1, 2, 2, 6, 24, 8, 4, 3, 4, 2, True, False),
+    "ragged_geometry_group3": (1, 3, 1, 45, 16, 7, 5, 1, 12, 3, True, True),
+    "wide_selection_blocks": (1, 2, 1, 70, 16, 4, 2, 0, 32, 2, True, True),
+    "group16_more_slots_than_blocks": (1, 16, 1, 33, 16, 8, 8, 0, 8, 8, True, True),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference(case):
+    check_against_reference(*case)
+
+
+def test_float16_and_strided_inputs():
+    check_against_reference(1, 4, 2, 48, 32, 8, 4, 1, 16, 3, True, True, dtype=torch.float16,
+                            heads_last=True)
+
+
+def test_selection_runs_without_grad_and_matches_cpu_fallback(monkeypatch):
+    q, ck, cv = make_inputs(1, 4, 2, 40, 16, 8, 4, 1, torch.float32, seed=3)
+    args = (q, ck, cv, 8, 4, 1, 16, 2)
+    out, lse, selection = compressed_attend_and_select(*args, share_selection=False)
+    monkeypatch.setattr(compressed, "_use_kernels", lambda device: False)
+    ref_out, ref_lse, ref_selection = compressed_attend_and_select(*args, share_selection=False)
+    tol = tolerances(torch.float32)[0]
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    assert torch.equal(selection.mask, ref_selection.mask)
+    assert torch.equal(selection.indices, ref_selection.indices)
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(q=torch.zeros(1, 2, 8)), "q"),
+        (dict(ck=torch.zeros(1, 3, 4, 16)), "ck"),
+        (dict(cv=torch.zeros(1, 1, 5, 16)), "cv"),
+        (dict(q=torch.zeros(1, 2, 8, 16, dtype=torch.float64)), "q"),
+        (dict(q=torch.zeros(1, 2, 8, 160), ck=torch.zeros(1, 1, 4, 160),
+              cv=torch.zeros(1, 1, 4, 160)), "head dim"),
+        (dict(compress_stride=0), "compress_stride"),
+        (dict(num_mem=5), "num_mem"),
+        (dict(num_selected=-1), "num_selected"),
+        (dict(selection_block_size=2.0), "selection_block_size"),
+    ],
+)
+def test_invalid_arguments_name_the_argument(change, name):
+    kwargs = dict(q=torch.zeros(1, 2, 8, 16), ck=torch.zeros(1, 1, 4, 16),
+                  cv=torch.zeros(1, 1, 4, 16), compress_block_size=4, compress_stride=2,
+                  num_mem=1, selection_block_size=4, num_selected=2)
+    kwargs.update(change)
+    with pytest.raises(ValueError, match=name):
+        compressed_attend_and_select(**kwargs)
+
+
+# --- GPU (compiled kernels at realistic sizes) -----------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(
+    "case",
+    [
+        # The issue's layer configuration (32 query heads on 2 kv heads, shared selection).
+        (1, 32, 2, 8192, 64, 32, 16, 1, 64, 16, True, True, torch.bfloat16),
+        (1, 8, 1, 8200, 128, 32, 16, 0, 64, 16, True, False, torch.float16),
+        (2, 6, 2, 8192, 48, 16, 8, 2, 32, 8, False, True, torch.bfloat16),
+    ],
+    ids=["issue_config_bf16", "d128_per_head_fp16", "non_causal_group3_d48_bf16"],
+)
+def test_gpu_long_sequences(case):
+    *geometry, dtype = case
+    check_against_reference(*geometry, dtype=dtype, seed=11)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_int64_offsets():
+    """b * hq * n * d > 2**31: every kernel must address past the int32 range."""
+    b, hq, hk, n, d, cbs, stride, num_mem, sbs, top = 4100, 8, 2, 1024, 64, 32, 16, 1, 64, 4
+    assert b * hq * n * d > 2**31
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    num_keys = num_mem + num_compressed_blocks(n, cbs, stride)
+    q = torch.randn(b, hq, n, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    ck, cv = (torch.randn(b, hk, num_keys, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+              for _ in range(2))
+    q.requires_grad_(), ck.requires_grad_(), cv.requires_grad_()
+    out, lse, selection = compressed_attend_and_select(q, ck, cv, cbs, stride, num_mem, sbs, top)
+    dout = torch.randn(out.shape, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    out.backward(dout)
+    tol = tolerances(torch.bfloat16)[0]
+    last = slice(b - 1, b)
+    ref_out, ref_lse, ref_grads, scores, selectable = reference(
+        q[last], ck[last], cv[last], dout[last], cbs, stride, num_mem, sbs, True, True
+    )
+    assert_close_scaled(out[last], ref_out, tol)
+    torch.testing.assert_close(lse[last].double(), ref_lse, atol=tol, rtol=tol)
+    for grad, ref_grad in zip((q.grad, ck.grad, cv.grad), ref_grads):
+        assert_close_scaled(grad[last], ref_grad, tol)
+    assert_selection_matches(tuple(t[last] for t in selection), scores, selectable, top,
+                             *tolerances(torch.bfloat16)[1:])
