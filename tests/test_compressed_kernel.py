@@ -1,7 +1,7 @@
 """Compressed-branch Triton kernels and the fused block selection against the reference.
 
 Without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set
-below before triton is imported, unless the environment already chose) on small float32 /
+in conftest.py before triton is imported, unless the environment already chose) on small float32 /
 float16 problems; with CUDA the same tests run compiled, plus the ``gpu`` ones at
 n >= 8192 in bf16. Every buffer the kernels write starts poisoned, so an element a
 kernel forgets to write shows up as NaN / a bogus index.
@@ -11,9 +11,6 @@ import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from native_sparse_attention.kernels import compressed  # noqa: E402
 from native_sparse_attention.kernels.compressed import compressed_attend_and_select  # noqa: E402
@@ -31,25 +28,6 @@ INTERPRETED = DEVICE.type == "cpu"
 if INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _fix_interpreter_index_for_numpy_2_4():
-    """Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``,
-    which NumPy >= 2.4 refuses for its 1-element arrays; loops whose bounds depend on
-    the program id then fail. Convert through the single element instead."""
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-if INTERPRETED:
-    _fix_interpreter_index_for_numpy_2_4()
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,33 @@
+"""Test-session setup shared by the kernel tests.
+
+Without CUDA the Triton kernels run under Triton's interpreter on CPU tensors. The
+variable must be set before triton is first imported, which is why it lives here.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRETED = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fix_interpreter_index_for_numpy_2_4():
+    """Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``,
+    which NumPy >= 2.4 refuses for its 1-element arrays; loops whose bounds depend on
+    the program id then fail. Convert through the single element instead."""
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRETED:
+    _fix_interpreter_index_for_numpy_2_4()
