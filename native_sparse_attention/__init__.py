@@ -1,5 +1,6 @@
 """Native Sparse Attention (DeepSeek, 2025) in PyTorch with grouped-query Triton kernels."""
 
+from native_sparse_attention.attend import native_sparse_attend
 from native_sparse_attention.compress import (
     AttentionPoolCompress,
     CompressMLP,
@@ -21,4 +22,5 @@ __all__ = [
     "SparseAttentionCache",
     "Transformer",
     "TransformerCompress",
+    "native_sparse_attend",
 ]
