@@ -57,18 +57,26 @@ def make_inputs(b, hq, hk, n, d, cbs, stride, num_mem, dtype, seed, heads_last=F
     return rand(hq, n, 2.0), rand(hk, num_keys), rand(hk, num_keys)
 
 
-def reference(q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share):
-    """float64 out, lse, gradients, and the full importance matrix with its candidates."""
+def reference(q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share, chosen=None):
+    """float64 out, lse, gradients, and the full importance matrix with its candidates.
+
+    ``chosen = (indices, mask, dscores)`` adds ``sum(dscores * score of each chosen block)``
+    to the loss, so the gradients include the path through the selection scores."""
     q64, ck64, cv64 = (t.detach().double().requires_grad_() for t in (q, ck, cv))
     out, lse, probs = compressed_attend(q64, ck64, cv64, cbs, stride, num_mem, causal=causal,
                                         return_probs=True)
-    out.backward(dout.double())
     n, hk = q.shape[2], ck.shape[1]
     nc, nsel = ck.shape[2] - num_mem, num_selection_blocks(n, sbs)
-    scores = selection_block_scores(probs.detach()[..., num_mem:], cbs, stride, sbs, nsel,
+    scores = selection_block_scores(probs[..., num_mem:], cbs, stride, sbs, nsel,
                                     kv_heads=hk if share else None)
+    loss = (out * dout.double()).sum()
+    if chosen is not None:
+        indices, mask, dscores = (t.to(q.device) for t in chosen)
+        chosen_scores = scores.gather(-1, indices).masked_fill(~mask, 0.0)
+        loss = loss + (chosen_scores * dscores.double()).sum()
+    loss.backward()
     selectable = selectable_blocks(n, 0, nc, cbs, stride, sbs, nsel, causal, q.device)
-    return out, lse, (q64.grad, ck64.grad, cv64.grad), scores, selectable
+    return out, lse, (q64.grad, ck64.grad, cv64.grad), scores.detach(), selectable
 
 
 def assert_selection_matches(selection, scores, selectable, num_selected, tie_tol, score_tol):
@@ -113,21 +121,34 @@ def tolerances(dtype):
 
 def assert_close_scaled(actual, expected, tol):
     """Elementwise closeness relative to the tensor's own magnitude."""
+    assert actual.shape == expected.shape
+    if expected.numel() == 0:
+        return
     scale = expected.abs().max().clamp_min(1e-6).item()
     torch.testing.assert_close(actual.double(), expected, atol=tol * scale, rtol=tol)
 
 
 def check_against_reference(b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, share,
-                            dtype=torch.float32, seed=0, heads_last=False):
+                            dtype=torch.float32, seed=0, heads_last=False, score_grad=False):
+    """Forward, LSE, selection and gradients against the float64 reference; with
+    ``score_grad`` the loss also weighs the chosen blocks' scores (differentiable top-n)."""
     q, ck, cv = make_inputs(b, hq, hk, n, d, cbs, stride, num_mem, dtype, seed, heads_last)
     q.requires_grad_(), ck.requires_grad_(), cv.requires_grad_()
     out, lse, selection = compressed_attend_and_select(
         q, ck, cv, cbs, stride, num_mem, sbs, top, causal=causal, share_selection=share
     )
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
-    out.backward(dout)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=gen).to(DEVICE, dtype)
+    loss = (out * dout).sum()
+    chosen = None
+    if score_grad:
+        # Large enough that the score path dominates the gradients.
+        dscores = (torch.randn(selection.scores.shape, generator=gen) * 10).to(DEVICE)
+        loss = loss + (selection.scores * dscores).sum()
+        chosen = (selection.indices, selection.mask, dscores)
+    loss.backward()
     ref_out, ref_lse, ref_grads, scores, selectable = reference(
-        q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share
+        q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share, chosen
     )
     tol, tie_tol, score_tol = tolerances(dtype)
 
@@ -166,6 +187,19 @@ def test_matches_reference(case):
     check_against_reference(*case)
 
 
+# b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, share
+SCORE_GRAD_CASES = {
+    "shared_group4_memory": (1, 4, 1, 53, 16, 8, 4, 2, 16, 3, True, True),
+    "per_head_group2": (1, 4, 2, 40, 32, 8, 8, 1, 8, 2, True, False),
+    "non_causal_no_memory": (1, 2, 1, 37, 16, 4, 2, 0, 8, 3, False, True),
+}
+
+
+@pytest.mark.parametrize("case", SCORE_GRAD_CASES.values(), ids=SCORE_GRAD_CASES.keys())
+def test_score_gradients_match_reference(case):
+    check_against_reference(*case, seed=5, score_grad=True)
+
+
 def test_float16_and_strided_inputs():
     check_against_reference(1, 4, 2, 48, 32, 8, 4, 1, 16, 3, True, True, dtype=torch.float16,
                             heads_last=True)
@@ -194,6 +228,7 @@ def test_selection_runs_without_grad_and_matches_cpu_fallback(monkeypatch):
         (dict(q=torch.zeros(1, 2, 8, 160), ck=torch.zeros(1, 1, 4, 160),
               cv=torch.zeros(1, 1, 4, 160)), "head dim"),
         (dict(compress_stride=0), "compress_stride"),
+        (dict(compress_stride=5), "compress_stride"),
         (dict(num_mem=5), "num_mem"),
         (dict(num_selected=-1), "num_selected"),
         (dict(selection_block_size=2.0), "selection_block_size"),

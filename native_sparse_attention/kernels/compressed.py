@@ -184,7 +184,8 @@ def _attention_fwd_kernel(
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(l_i)) / LOG2E, float("-inf"))
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / LOG2E,
+                   float("-inf"))
     o_ptr = _head_pointers(OUT, z, h, stride_oz, stride_oh)
     _store_rows(o_ptr, m_start, stride_om, M, out, BLOCK_M, BLOCK_D, HEAD_DIM)
     tl.store(LSE + zh.to(tl.int64) * M + rows, lse, mask=rows < M)
@@ -216,10 +217,44 @@ def _output_grad_dot_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m_start, stride_qm,
-               stride_dm, M, key_start, NUM_MEM, NC, CBS, STRIDE, qk_scale,
+def _score_grad(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
+                TOPN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """G = dL/dP that the selection scores add for one (query tile, key tile).
+
+    A chosen block's score sums the probabilities of the compressed keys overlapping it,
+    so ``G[r, key]`` is the sum of DSCORE[r, s] over the slots ``s`` whose block overlaps
+    compressed key ``key - NUM_MEM``; memory keys get 0. ``sel_ptr``, ``dscore_ptr``: the
+    ``[M, TOPN]`` indices and score gradients (0 on masked slots) of the selection head.
+    """
+    comp = key_start - NUM_MEM + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(TOPN):
+        block = tl.load(sel_ptr + rows * TOPN + slot, mask=row_ok, other=0)
+        dscore = tl.load(dscore_ptr + rows * TOPN + slot, mask=row_ok, other=0.0)
+        # Compressed keys c with c * STRIDE < (block + 1) * SBS and block * SBS < c * STRIDE + CBS.
+        first = tl.where(block * SBS >= CBS, (block * SBS - CBS) // STRIDE + 1, 0)
+        last = ((block + 1) * SBS - 1) // STRIDE
+        hit = (comp[None, :] >= first[:, None]) & (comp[None, :] <= last[:, None])
+        g += tl.where(hit, dscore[:, None], 0.0)
+    return g
+
+
+@triton.jit
+def _selection_pointers(SEL, DSCORE, z, h, M, HQ, HEADS_PER_SELECTION: tl.constexpr,
+                        TOPN: tl.constexpr):
+    """Rows of selection head ``h // HEADS_PER_SELECTION`` in ``[Z, HS, M, TOPN]`` tensors."""
+    head = z.to(tl.int64) * (HQ // HEADS_PER_SELECTION) + h // HEADS_PER_SELECTION
+    offset = head * M * TOPN
+    return SEL + offset, DSCORE + offset
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr, m_start,
+               stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS, STRIDE, SBS, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+               HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               SCORE_GRAD: tl.constexpr, TOPN: tl.constexpr):
     """Adds one query tile's contribution to the key tile's dK (unscaled) and dV."""
     rows = m_start + tl.arange(0, BLOCK_M)
     q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
@@ -233,6 +268,9 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m_start, stride_
         p = tl.where(cols[None, :] < key_limit[:, None], p, 0.0)
     dv += tl.dot(tl.trans(p.to(do.dtype)), do)
     dp = tl.dot(do, tl.trans(v))
+    if SCORE_GRAD:
+        dp += _score_grad(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
+                          TOPN, BLOCK_M, BLOCK_N)
     ds = p * (dp - delta[:, None])
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     return dk, dv
@@ -249,14 +287,15 @@ def _first_row_seeing(key, NUM_MEM, CBS, STRIDE, IS_CAUSAL: tl.constexpr):
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DOUT, LSE, DELTA, DK, DV,
+    Q, K, V, DOUT, LSE, DELTA, SEL, DSCORE, DK, DV,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
     stride_dz, stride_dh, stride_dm,
-    HQ, M, N, NUM_MEM, CBS, STRIDE, qk_scale, sm_scale,
+    HQ, M, N, NUM_MEM, CBS, STRIDE, SBS, qk_scale, sm_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr, TOPN: tl.constexpr,
 ):
     # DK, DV: [Z, HQ, N, D] fp32 partials of this query head, contiguous.
     zh = tl.program_id(0)
@@ -267,6 +306,7 @@ def _attention_bwd_dkdv_kernel(
     do_ptr = _head_pointers(DOUT, z, h, stride_dz, stride_dh)
     lse_ptr = LSE + zh.to(tl.int64) * M
     delta_ptr = DELTA + zh.to(tl.int64) * M
+    sel_ptr, dscore_ptr = _selection_pointers(SEL, DSCORE, z, h, M, HQ, HEADS_PER_SELECTION, TOPN)
     k = _load_rows(_head_pointers(K, z, h // GQA_SHARED_HEADS, stride_kz, stride_kh),
                    key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
     v = _load_rows(_head_pointers(V, z, h // GQA_SHARED_HEADS, stride_vz, stride_vh),
@@ -281,15 +321,15 @@ def _attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for m_start in range(rows_begin, rows_full, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m_start,
-                            stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS, STRIDE,
-                            qk_scale,
-                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, IS_CAUSAL, True)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr,
+                            m_start, stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS,
+                            STRIDE, SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
+                            IS_CAUSAL, True, SCORE_GRAD, TOPN)
     for m_start in range(rows_full, M, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m_start,
-                            stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS, STRIDE,
-                            qk_scale,
-                            BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, IS_CAUSAL, False)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr,
+                            m_start, stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS,
+                            STRIDE, SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
+                            IS_CAUSAL, False, SCORE_GRAD, TOPN)
 
     part = zh.to(tl.int64) * N * HEAD_DIM
     _store_rows(DK + part, key_start, HEAD_DIM, N, dk * sm_scale, BLOCK_N, BLOCK_D, HEAD_DIM)
@@ -297,10 +337,17 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
-             key_limit, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
-    """Adds one key tile's contribution to the query tile's dQ (unscaled)."""
+def _dq_step(dq, pk, correction, q, do, lse, delta, rows, k_ptr, v_ptr, sel_ptr, dscore_ptr,
+             key_start, stride_kn, stride_vn, M, N, NUM_MEM, CBS, STRIDE, SBS, key_limit,
+             qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, SCORE_GRAD: tl.constexpr, TOPN: tl.constexpr):
+    """Adds one key tile's contribution to the query tile's dQ (unscaled).
+
+    With SCORE_GRAD, dP gains G (``_score_grad``) and the softmax correction gains
+    ``rowsum(P * G)``, which is only complete after the last tile: dQ is accumulated
+    without it, and ``pk = P @ K`` and the correction are returned so the caller can
+    subtract ``correction * pk`` at the end.
+    """
     k = _load_rows(k_ptr, key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
     v = _load_rows(v_ptr, key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
     p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
@@ -308,45 +355,65 @@ def _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_v
         cols = key_start + tl.arange(0, BLOCK_N)
         p = tl.where(cols[None, :] < key_limit[:, None], p, 0.0)
     dp = tl.dot(do, tl.trans(v))
+    if SCORE_GRAD:
+        g = _score_grad(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
+                        TOPN, BLOCK_M, BLOCK_N)
+        dp += g
+        correction += tl.sum(p * g, 1)
+        pk += tl.dot(p.to(k.dtype), k)
     ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k)
+    return dq + tl.dot(ds.to(k.dtype), k), pk, correction
 
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V, DOUT, LSE, DELTA, DQ,
+    Q, K, V, DOUT, LSE, DELTA, SEL, DSCORE, DQ,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
     stride_dz, stride_dh, stride_dm,
     stride_gz, stride_gh, stride_gm,
-    HQ, M, N, NUM_MEM, CBS, STRIDE, qk_scale, sm_scale,
+    HQ, M, N, NUM_MEM, CBS, STRIDE, SBS, qk_scale, sm_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr, TOPN: tl.constexpr,
 ):
+    # With SCORE_GRAD this kernel also completes DELTA with rowsum(P * G), in place, for
+    # the dK / dV kernel that runs after it.
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     k_ptr = _head_pointers(K, z, h // GQA_SHARED_HEADS, stride_kz, stride_kh)
     v_ptr = _head_pointers(V, z, h // GQA_SHARED_HEADS, stride_vz, stride_vh)
+    sel_ptr, dscore_ptr = _selection_pointers(SEL, DSCORE, z, h, M, HQ, HEADS_PER_SELECTION, TOPN)
     rows = m_start + tl.arange(0, BLOCK_M)
     q = _load_rows(_head_pointers(Q, z, h, stride_qz, stride_qh), m_start, stride_qm, M,
                    BLOCK_M, BLOCK_D, HEAD_DIM)
     do = _load_rows(_head_pointers(DOUT, z, h, stride_dz, stride_dh), m_start, stride_dm, M,
                     BLOCK_M, BLOCK_D, HEAD_DIM)
     lse = _load_lse_log2(LSE + zh.to(tl.int64) * M, rows, M)
-    delta = tl.load(DELTA + zh.to(tl.int64) * M + rows, mask=rows < M, other=0.0)
+    delta_ptr = DELTA + zh.to(tl.int64) * M
+    delta = tl.load(delta_ptr + rows, mask=rows < M, other=0.0)
 
     key_limit = NUM_MEM + _num_visible(rows, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
     full_end, keys_end = _query_key_ranges(m_start, M, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
                                            BLOCK_M, BLOCK_N, IS_CAUSAL)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    pk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    correction = tl.zeros([BLOCK_M], dtype=tl.float32)
     for key_start in range(0, full_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
-                      key_limit, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False)
+        dq, pk, correction = _dq_step(
+            dq, pk, correction, q, do, lse, delta, rows, k_ptr, v_ptr, sel_ptr, dscore_ptr,
+            key_start, stride_kn, stride_vn, M, N, NUM_MEM, CBS, STRIDE, SBS, key_limit,
+            qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, SCORE_GRAD, TOPN)
     for key_start in range(full_end, keys_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
-                      key_limit, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True)
+        dq, pk, correction = _dq_step(
+            dq, pk, correction, q, do, lse, delta, rows, k_ptr, v_ptr, sel_ptr, dscore_ptr,
+            key_start, stride_kn, stride_vn, M, N, NUM_MEM, CBS, STRIDE, SBS, key_limit,
+            qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, SCORE_GRAD, TOPN)
+    if SCORE_GRAD:
+        dq -= correction[:, None] * pk
+        tl.store(delta_ptr + rows, delta + correction, mask=rows < M)
     _store_rows(_head_pointers(DQ, z, h, stride_gz, stride_gh), m_start, stride_gm, M,
                 dq * sm_scale, BLOCK_M, BLOCK_D, HEAD_DIM)
 
@@ -374,9 +441,14 @@ def _merge_top(top, cand, TOPN: tl.constexpr, TOPN_PAD: tl.constexpr):
 def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr, M, k,
                       comp_visible, overlap, m_start, qk_scale, acc,
                       HEADS_PER_SELECTION: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+                      BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_HALF: tl.constexpr):
     """Adds ``p @ overlap`` for one tile of compressed keys, summed over the heads that
-    share the selection. ``p = exp(s - lse)`` are the forward's probabilities."""
+    share the selection. ``p = exp(s - lse)`` are the forward's probabilities.
+
+    The dot's precision decides near-ties, so it keeps about fp32's: SPLIT_HALF writes
+    ``p = hi + lo`` as two fp16 terms (some 22 bits of p, two fp16 dots, exact 0/1
+    overlap); otherwise tf32x3.
+    """
     rows = m_start + tl.arange(0, BLOCK_M)
     for g in range(HEADS_PER_SELECTION):
         q_ptr = _head_pointers(Q, z, first_head + g, stride_qz, stride_qh)
@@ -384,8 +456,12 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
         lse = _load_lse_log2(lse_ptr + g * M, rows, M)
         p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         p = tl.where(comp_visible, p, 0.0)
-        # tf32x3 keeps the importances close to fp32, so near-ties rank as in fp32.
-        acc += tl.dot(p, overlap, input_precision="tf32x3")
+        if SPLIT_HALF:
+            hi = p.to(tl.float16)
+            lo = (p - hi.to(tl.float32)).to(tl.float16)
+            acc = tl.dot(lo, overlap, tl.dot(hi, overlap, acc))
+        else:
+            acc = tl.dot(p, overlap, acc, input_precision="tf32x3")
     return acc
 
 
@@ -399,6 +475,7 @@ def _select_blocks_kernel(
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, TOPN: tl.constexpr, TOPN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
     S_STEP: tl.constexpr, NUM_C_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_HALF: tl.constexpr,
 ):
     # INDICES, MASK, SCORES: [Z, HS, M, TOPN], contiguous.
     zs = tl.program_id(0)
@@ -431,18 +508,23 @@ def _select_blocks_kernel(
                            BLOCK_C, BLOCK_D, HEAD_DIM)
             overlap = ((comp[:, None] * STRIDE < (blocks[None, :] + 1) * SBS)
                        & (blocks[None, :] * SBS < comp[:, None] * STRIDE + CBS)
-                       & block_used[None, :] & (comp[:, None] < NC)).to(tl.float32)
+                       & block_used[None, :] & (comp[:, None] < NC))
+            if SPLIT_HALF:
+                overlap = overlap.to(tl.float16)
+            else:
+                overlap = overlap.to(tl.float32)
             comp_visible = comp[None, :] < visible[:, None]
             acc = _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr,
                                     M, k, comp_visible, overlap, m_start, qk_scale, acc,
-                                    HEADS_PER_SELECTION, BLOCK_M, BLOCK_D, HEAD_DIM)
+                                    HEADS_PER_SELECTION, BLOCK_M, BLOCK_D, HEAD_DIM, SPLIT_HALF)
 
         selectable = block_used[None, :] & (blocks[None, :] < block_limit[:, None])
         if IS_CAUSAL:
             selectable &= blocks[None, :] != own_block[:, None]
-        # Importances are >= 0, so their fp32 bit patterns order like the values; the
-        # block index in the low word makes every key unique. 0 marks "no candidate".
-        score_bits = acc.to(tl.int32, bitcast=True).to(tl.int64) + 1
+        # Importances are >= 0 (the clamp removes rounding below 0), so their fp32 bit
+        # patterns order like the values; the block index in the low word makes every key
+        # unique. 0 marks "no candidate".
+        score_bits = tl.maximum(acc, 0.0).to(tl.int32, bitcast=True).to(tl.int64) + 1
         cand = tl.where(selectable, (score_bits << 32) | blocks[None, :].to(tl.int64), 0)
         weakest = tl.min(tl.where(tl.arange(0, TOPN_PAD)[None, :] < TOPN, top,
                                   0x7FFFFFFFFFFFFFFF), 1)
@@ -473,6 +555,9 @@ class _Geometry:
     num_mem: int
     causal: bool
     scale: float
+    selection_block_size: int
+    num_selected: int
+    share_selection: bool
 
 
 @dataclass(frozen=True)
@@ -531,8 +616,13 @@ def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.T
     return out, lse
 
 
-def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry):
-    """Gradients of ``_attention_forward``: (dq [b, hq, n, d], dck, dcv [b, hk, N, d])."""
+def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
+                        score_grad=None):
+    """Gradients of ``_attention_forward``: (dq [b, hq, n, d], dck, dcv [b, hk, N, d]).
+
+    ``score_grad: [b, hs, n, num_selected]`` (float32, 0 on masked slots), the gradient
+    of the selection scores of ``indices``, adds their path through the probabilities.
+    """
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
     tiles = _tiles(q.device)
@@ -544,48 +634,39 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry):
         out, dout, delta, *_bhm_strides(out), *_bhm_strides(dout), hq, n,
         BLOCK_M=tiles.block_m, **common,
     )
+    has_score_grad = score_grad is not None
+    if has_score_grad:
+        selection = (indices, score_grad)
+        selection_meta = dict(SCORE_GRAD=True, HEADS_PER_SELECTION=hq // indices.shape[1],
+                              TOPN=indices.shape[-1])
+    else:
+        # Never read: any valid pointers do.
+        selection = (lse, lse)
+        selection_meta = dict(SCORE_GRAD=False, HEADS_PER_SELECTION=1, TOPN=1)
     args = (
         *_bhm_strides(q), *_bhm_strides(ck), *_bhm_strides(cv), *_bhm_strides(dout),
     )
     geometry = (hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
-                geo.scale * LOG2E, geo.scale)
+                geo.selection_block_size, geo.scale * LOG2E, geo.scale)
     meta = dict(GQA_SHARED_HEADS=hq // hk, IS_CAUSAL=geo.causal, BLOCK_M=tiles.block_m,
-                BLOCK_N=tiles.block_n, num_stages=tiles.num_stages, **common)
+                BLOCK_N=tiles.block_n, num_stages=tiles.num_stages, **selection_meta, **common)
 
+    # dQ first: with score gradients it completes delta, which dK / dV read.
+    dq = _allocate((b, hq, n, d), q.dtype, q.device)
+    _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, tiles.block_m))](
+        q, ck, cv, dout, lse, delta, *selection, dq, *args, *_bhm_strides(dq), *geometry,
+        **meta,
+    )
     # Per query head partials, summed over each group below: no atomics, deterministic.
     dk_part = _allocate((b, hq, num_keys, d), torch.float32, q.device)
     dv_part = _allocate((b, hq, num_keys, d), torch.float32, q.device)
     if num_keys > 0:
         _attention_bwd_dkdv_kernel[(b * hq, triton.cdiv(num_keys, tiles.block_n))](
-            q, ck, cv, dout, lse, delta, dk_part, dv_part, *args, *geometry, **meta,
+            q, ck, cv, dout, lse, delta, *selection, dk_part, dv_part, *args, *geometry, **meta,
         )
-    dq = _allocate((b, hq, n, d), q.dtype, q.device)
-    _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, tiles.block_m))](
-        q, ck, cv, dout, lse, delta, dq, *args, *_bhm_strides(dq), *geometry, **meta,
-    )
     dck = dk_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(ck.dtype)
     dcv = dv_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(cv.dtype)
     return dq, dck, dcv
-
-
-class _CompressedAttention(torch.autograd.Function):
-    """Flash-style compressed attention; ``lse`` is returned but not differentiable."""
-
-    @staticmethod
-    def forward(ctx, q, ck, cv, geo: _Geometry):
-        out, lse = _attention_forward(q, ck, cv, geo)
-        ctx.save_for_backward(q, ck, cv, out, lse)
-        ctx.geo = geo
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, ck, cv, out, lse = ctx.saved_tensors
-        dq, dck, dcv = _attention_backward(
-            _rows_last_contiguous(dout), q, ck, cv, out, lse, ctx.geo
-        )
-        return dq, dck, dcv, None
 
 
 def _chunk_layout(compress_block_size, compress_stride, selection_block_size, tiles: _Tiles):
@@ -601,8 +682,7 @@ def _chunk_layout(compress_block_size, compress_stride, selection_block_size, ti
     return s_step, num_c_tiles
 
 
-@torch.no_grad()
-def _select(q, ck, lse, geo: _Geometry, selection_block_size, num_selected, share_selection):
+def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
     """Top-``num_selected`` selection blocks per query from the forward's ``lse``.
 
     q: [b, hq, n, d], ck: [b, hk, N, d], lse: [b, hq, n] -> BlockSelection of
@@ -610,35 +690,66 @@ def _select(q, ck, lse, geo: _Geometry, selection_block_size, num_selected, shar
     """
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
-    hs = hk if share_selection else hq
-    indices = _allocate((b, hs, n, num_selected), torch.int64, q.device)
-    mask = _allocate((b, hs, n, num_selected), torch.bool, q.device)
-    scores = _allocate((b, hs, n, num_selected), torch.float32, q.device)
-    if num_selected == 0:
+    hs = hk if geo.share_selection else hq
+    shape = (b, hs, n, geo.num_selected)
+    indices = _allocate(shape, torch.int64, q.device)
+    mask = _allocate(shape, torch.bool, q.device)
+    scores = _allocate(shape, torch.float32, q.device)
+    if geo.num_selected == 0:
         return BlockSelection(indices, mask, scores)
     tiles = _tiles(q.device)
     s_step, num_c_tiles = _chunk_layout(
-        geo.compress_block_size, geo.compress_stride, selection_block_size, tiles
+        geo.compress_block_size, geo.compress_stride, geo.selection_block_size, tiles
     )
     grid = (b * hs, triton.cdiv(n, tiles.block_m))
     _select_blocks_kernel[grid](
         q, ck, lse, indices, mask, scores,
         *_bhm_strides(q), *_bhm_strides(ck),
         hs, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
-        selection_block_size, num_selection_blocks(n, selection_block_size),
+        geo.selection_block_size, num_selection_blocks(n, geo.selection_block_size),
         geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEADS_PER_SELECTION=hq // hs, HEAD_DIM=d,
-        IS_CAUSAL=geo.causal, TOPN=num_selected,
-        TOPN_PAD=triton.next_power_of_2(num_selected),
+        IS_CAUSAL=geo.causal, TOPN=geo.num_selected,
+        TOPN_PAD=triton.next_power_of_2(geo.num_selected),
         BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_c, BLOCK_S=tiles.block_s,
         S_STEP=s_step, NUM_C_TILES=num_c_tiles, BLOCK_D=_block_d(d),
+        SPLIT_HALF=q.dtype != torch.float32,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return BlockSelection(indices, mask, scores)
 
 
-def _reference_attend_and_select(q, ck, cv, geo: _Geometry, selection_block_size,
-                                 num_selected, share_selection):
+class _CompressedAttendAndSelect(torch.autograd.Function):
+    """Flash-style compressed attention and the fused block selection.
+
+    Differentiable outputs: ``out`` and the selection ``scores`` (both w.r.t. q, ck, cv);
+    ``lse``, ``indices`` and ``mask`` are not.
+    """
+
+    @staticmethod
+    def forward(ctx, q, ck, cv, geo: _Geometry):
+        out, lse = _attention_forward(q, ck, cv, geo)
+        selection = _select(q, ck, lse, geo)
+        ctx.save_for_backward(q, ck, cv, out, lse, selection.indices, selection.mask)
+        ctx.geo = geo
+        ctx.mark_non_differentiable(lse, selection.indices, selection.mask)
+        ctx.set_materialize_grads(False)
+        return out, lse, *selection
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dindices, _dmask, dscores):
+        q, ck, cv, out, lse, indices, mask = ctx.saved_tensors
+        if dout is None and dscores is None:
+            return None, None, None, None
+        dout = torch.zeros_like(out) if dout is None else _rows_last_contiguous(dout)
+        score_grad = None
+        if dscores is not None and dscores.numel() > 0:
+            score_grad = torch.where(mask, dscores, 0.0).float().contiguous()
+        dq, dck, dcv = _attention_backward(dout, q, ck, cv, out, lse, ctx.geo, indices, score_grad)
+        return dq, dck, dcv, None
+
+
+def _reference_attend_and_select(q, ck, cv, geo: _Geometry):
     """The CPU path: the PyTorch reference, which materialises [n, nc] probabilities."""
     out, lse, probs = compressed_attend(
         q, ck, cv, geo.compress_block_size, geo.compress_stride, geo.num_mem,
@@ -647,16 +758,17 @@ def _reference_attend_and_select(q, ck, cv, geo: _Geometry, selection_block_size
     hk, num_keys = ck.shape[1], ck.shape[2]
     n = q.shape[2]
     num_compressed = num_keys - geo.num_mem
-    num_selection = num_selection_blocks(n, selection_block_size)
+    num_selection = num_selection_blocks(n, geo.selection_block_size)
     scores = selection_block_scores(
-        probs.detach()[..., geo.num_mem:], geo.compress_block_size, geo.compress_stride,
-        selection_block_size, num_selection, kv_heads=hk if share_selection else None,
+        probs[..., geo.num_mem:], geo.compress_block_size, geo.compress_stride,
+        geo.selection_block_size, num_selection, kv_heads=hk if geo.share_selection else None,
     )
     selectable = selectable_blocks(
         n, 0, num_compressed, geo.compress_block_size, geo.compress_stride,
-        selection_block_size, num_selection, geo.causal, q.device,
+        geo.selection_block_size, num_selection, geo.causal, q.device,
     )
-    return out, lse.float(), select_blocks(scores, selectable, num_selected)
+    selection = select_blocks(scores.float(), selectable, geo.num_selected)
+    return out, lse.float(), selection
 
 
 def _use_kernels(device: torch.device) -> bool:
@@ -696,6 +808,11 @@ def _validate(q, ck, cv, compress_block_size, compress_stride, num_mem,
     _check_positive("selection_block_size", selection_block_size)
     _check_positive("num_mem", num_mem, minimum=0)
     _check_positive("num_selected", num_selected, minimum=0)
+    if compress_stride > compress_block_size:
+        # Windows then leave gaps, and a block between two windows could be ranked
+        # although no compressed key covers it.
+        raise ValueError(f"compress_stride ({compress_stride}) must not exceed "
+                         f"compress_block_size ({compress_block_size})")
     if num_mem > ck.shape[2]:
         raise ValueError(f"num_mem={num_mem} exceeds ck's {ck.shape[2]} keys")
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
@@ -720,15 +837,18 @@ def compressed_attend_and_select(
 
     q: [b, hq, n, d] for queries at positions ``0 .. n - 1``; ck, cv: [b, hk, num_mem + nc, d]
     (memory keys first; compressed key ``c`` covers tokens
-    ``[c * compress_stride, c * compress_stride + compress_block_size)``), all of one dtype
-    among bf16 / fp16 / fp32, ``d <= 128``, ``hq % hk == 0``.
+    ``[c * compress_stride, c * compress_stride + compress_block_size)``,
+    ``compress_stride <= compress_block_size``), all of one dtype among bf16 / fp16 / fp32,
+    ``d <= 128``, ``hq % hk == 0``.
 
-    Returns ``out: [b, hq, n, d]`` (q's dtype, differentiable w.r.t. q, ck, cv), ``lse:
-    [b, hq, n]`` float32 (``-inf`` for a query with no key, whose output is 0), and the
+    Returns ``out: [b, hq, n, d]`` (q's dtype), ``lse: [b, hq, n]`` float32 (``-inf`` for
+    a query with no key, whose output is 0; not differentiable), and the
     ``BlockSelection`` of ``num_selected`` blocks of ``selection_block_size`` tokens per
     query, as ``selection.select_blocks`` defines it: ``[b, hs, n, num_selected]`` with
     ``hs = hk`` when ``share_selection`` (importance summed over the group) else ``hq``.
-    The selection is not differentiable. fp32 inputs use TF32 matmuls on the GPU.
+    ``out`` and the selection's ``scores`` (float32) are differentiable w.r.t. q, ck and
+    cv, the scores through the probabilities they sum (what NSA's differentiable top-n
+    needs). fp32 inputs use TF32 matmuls on the GPU.
 
     CUDA tensors (or any tensors with ``TRITON_INTERPRET=1``) run the Triton kernels;
     other CPU tensors fall back to the PyTorch reference and ``selection.py``, which do
@@ -737,12 +857,10 @@ def compressed_attend_and_select(
     _validate(q, ck, cv, compress_block_size, compress_stride, num_mem,
               selection_block_size, num_selected, scale)
     geo = _Geometry(compress_block_size, compress_stride, num_mem, bool(causal),
-                    float(q.shape[-1] ** -0.5 if scale is None else scale))
+                    float(q.shape[-1] ** -0.5 if scale is None else scale),
+                    selection_block_size, num_selected, bool(share_selection))
     if not _use_kernels(q.device):
-        return _reference_attend_and_select(q, ck, cv, geo, selection_block_size,
-                                            num_selected, share_selection)
+        return _reference_attend_and_select(q, ck, cv, geo)
     q, ck, cv = (_rows_last_contiguous(t) for t in (q, ck, cv))
-    out, lse = _CompressedAttention.apply(q, ck, cv, geo)
-    selection = _select(q.detach(), ck.detach(), lse, geo, selection_block_size,
-                        num_selected, share_selection)
-    return out, lse, selection
+    out, lse, indices, mask, scores = _CompressedAttendAndSelect.apply(q, ck, cv, geo)
+    return out, lse, BlockSelection(indices, mask, scores)
