@@ -13,9 +13,9 @@ or, in one call, ``record_forward(model, ids, layer=0)``, which returns an
 ``matplotlib.figure.Figure``. Figures are built without pyplot, so a library caller never
 accumulates open figures; in a notebook, ``display(fig)`` shows one.
 
-Command line (PNG files for a ``train.py`` checkpoint)::
+Command line (PNG files for a ``train.py`` checkpoint, or the latest one of a run)::
 
-    python -m native_sparse_attention.viz --checkpoint run/checkpoints/step-00000050.pt \\
+    python -m native_sparse_attention.viz --checkpoint runs/tiny \\
         --text "Some text" --out figures [--layer 0] [--head 0]
 """
 
@@ -26,16 +26,18 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NoReturn, Sequence
 
 import numpy as np
 import torch
 from matplotlib import colormaps
 from matplotlib.axes import Axes
+from matplotlib.collections import LineCollection
 from matplotlib.colors import ListedColormap, LogNorm
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, NullFormatter
 from torch import nn
 
 from native_sparse_attention.selection import selectable_blocks
@@ -61,6 +63,8 @@ GATE_NAMES = ("compressed", "selected", "sliding")
 BRANCH_COLORS = {"compressed": "#7b3294", "selected": "#1f5fa8", "sliding": "#1a9641"}
 OWN_BLOCK_COLOR = "#f08c00"
 UNAVAILABLE_COLOR = "#d9d9d9"
+_SELECTED_MARK_COLOR = "#ff3b3b"
+_MEMORY_EDGE_COLOR = "#00b4d8"
 
 # Selection map cell categories, in colormap order.
 _NOT_SELECTABLE, _CANDIDATE, _SELECTED, _OWN_BLOCK = range(4)
@@ -74,11 +78,19 @@ _GATE_LINE_STYLES = {
     "sliding": dict(linewidth=1.4),
 }
 _PANEL_INCHES = 3.8
+# Wide enough for the title and legend of a single panel.
+_MIN_FIGURE_INCHES = 6.8
+# Room for one legend entry, for the legend's number of columns.
+_LEGEND_ENTRY_INCHES = 3.0
 _MAX_COLUMNS = 4
 # Above this many blocks the block-text tick labels would overlap; block numbers only.
 _MAX_LABELLED_BLOCKS = 32
-# Probabilities below this share the darkest colour of the compressed attention map.
-_MIN_PLOTTED_PROB = 1e-3
+# Up to this many tokens every query position is labelled with its character.
+_MAX_LABELLED_QUERIES = 64
+# Position axes get about this many numbered ticks, on selection block boundaries.
+_POSITION_TICKS = 10
+# The compressed attention map's log colour scale spans at most this many decades below 1.
+_PROB_DECADES = 4
 
 
 # ---------------------------------------------------------------------------- recording
@@ -291,13 +303,30 @@ def byte_labels(ids: torch.Tensor) -> list[str]:
 
 
 def _panels(num_panels: int, aspect: float = 1.0) -> tuple[Figure, list[Axes]]:
-    columns = min(num_panels, _MAX_COLUMNS)
+    """A figure with one panel per head or group, sharing both axes, two columns up to four
+    panels (so a figure stays readable at page width) and ``_MAX_COLUMNS`` beyond."""
+    columns = min(num_panels, 2 if num_panels <= 4 else _MAX_COLUMNS)
     rows = -(-num_panels // columns)
-    fig = Figure(figsize=(_PANEL_INCHES * columns + 1.2, _PANEL_INCHES * aspect * rows + 0.9), layout="constrained")
-    grid = fig.subplots(rows, columns, squeeze=False)
+    width = max(_PANEL_INCHES * columns + 1.2, _MIN_FIGURE_INCHES)
+    fig = Figure(figsize=(width, _PANEL_INCHES * aspect * rows + 1.0), layout="constrained")
+    grid = fig.subplots(rows, columns, squeeze=False, sharex=True, sharey=True)
     for ax in grid.flat[num_panels:]:
         fig.delaxes(ax)
     return fig, list(grid.flat[:num_panels])
+
+
+def _label_outer(axes: list[Axes]) -> None:
+    """Keep tick labels and axis labels on the left column and on the lowest panel of each
+    column only (``Axes.label_outer`` would also strip a panel whose lower neighbour was
+    removed from an incomplete last row)."""
+    columns = axes[0].get_subplotspec().get_gridspec().ncols
+    for index, ax in enumerate(axes):
+        if index + columns < len(axes):
+            ax.tick_params(labelbottom=False)
+            ax.set_xlabel("")
+        if index % columns:
+            ax.tick_params(labelleft=False)
+            ax.set_ylabel("")
 
 
 def _check_head(head: int | None, heads: int) -> None:
@@ -350,9 +379,34 @@ def _label_block_axis(ax: Axes, rec: AttentionRecord) -> None:
     ax.set_xlabel(f"key block ({rec.selection_block_size} tokens each)")
 
 
+def _label_position_axis(axis, rec: AttentionRecord) -> None:
+    """Token positions on ``axis`` (``ax.xaxis`` or ``ax.yaxis``). Numbered ticks fall on
+    selection block boundaries, where the block-causal diagonal steps; a short text has
+    every position labelled with its character instead."""
+    size, seq_len = rec.selection_block_size, rec.seq_len
+    if rec.tokens is not None and seq_len <= _MAX_LABELLED_QUERIES:
+        labels = [f"{i} {token}" if i % size == 0 else token for i, token in enumerate(rec.tokens)]
+        axis.set_ticks(np.arange(seq_len), labels, fontsize=6, family="monospace")
+        if axis is axis.axes.xaxis:
+            axis.set_tick_params(rotation=90)
+        return
+    step = size * max(1, -(-seq_len // (size * _POSITION_TICKS)))
+    axis.set_ticks(np.arange(0, seq_len, step))
+
+
 def _block_image_extent(rec: AttentionRecord) -> tuple[float, float, float, float]:
     # Block j spans x in [j, j + 1); query i is the row centred on y = i, earliest at the top.
     return (0.0, float(rec.num_blocks), rec.seq_len - 0.5, -0.5)
+
+
+def _draw_block_map(ax: Axes, rec: AttentionRecord, title: str) -> None:
+    """Limits, ticks and labels shared by the query × key block maps."""
+    ax.set_xlim(0, rec.num_blocks)
+    ax.set_ylim(rec.seq_len - 0.5, -0.5)
+    _label_block_axis(ax, rec)
+    _label_position_axis(ax.yaxis, rec)
+    ax.set_ylabel("query position")
+    ax.set_title(title, fontsize=10)
 
 
 def _draw_sliding_window(ax: Axes, rec: AttentionRecord) -> None:
@@ -364,7 +418,7 @@ def _draw_sliding_window(ax: Axes, rec: AttentionRecord) -> None:
     size = rec.selection_block_size
     color = BRANCH_COLORS["sliding"]
     ax.fill_betweenx(positions, first / size, (last + 1) / size, facecolor="none",
-                     edgecolor=color, hatch="////", linewidth=0, alpha=0.6)
+                     edgecolor=color, hatch="////", linewidth=0, alpha=0.45)
     ax.plot(first / size, positions, color=color, linewidth=1.2)
     ax.plot((last + 1) / size, positions, color=color, linewidth=1.2)
 
@@ -372,6 +426,27 @@ def _draw_sliding_window(ax: Axes, rec: AttentionRecord) -> None:
 def _window_legend_handle(rec: AttentionRecord) -> Patch:
     return Patch(facecolor="none", edgecolor=BRANCH_COLORS["sliding"], hatch="////",
                  label=f"sliding window ({rec.sliding_window_size} tokens)")
+
+
+def _selected_segments(selected: np.ndarray) -> list[tuple[tuple[float, float], tuple[float, float]]]:
+    """One vertical segment through the middle of each run of consecutive queries that
+    selected the same block; ``selected: [n, nsb]`` bool."""
+    segments = []
+    for block, column in enumerate(selected.T):
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], column.astype(np.int8), [0]))))
+        for start, stop in zip(edges[::2], edges[1::2]):
+            segments.append(((block + 0.5, start - 0.5), (block + 0.5, stop - 0.5)))
+    return segments
+
+
+def _legend(fig: Figure, handles: list) -> None:
+    """The figure's legend below its panels, in as many columns as its width holds."""
+    columns = min(len(handles), max(1, int(fig.get_figwidth() / _LEGEND_ENTRY_INCHES)))
+    fig.legend(handles=handles, loc="outside lower center", ncols=columns, fontsize=8, frameon=False)
+
+
+def _masked_cmap(name: str):
+    return colormaps[name].with_extremes(bad=UNAVAILABLE_COLOR)
 
 
 # ---------------------------------------------------------------------------- plots
@@ -393,20 +468,17 @@ def plot_selection_map(source, x: torch.Tensor | None = None, *, head: int | Non
         ax.imshow(rec.selection_categories(selection_head), cmap=_SELECTION_CMAP, vmin=-0.5, vmax=3.5,
                   interpolation="nearest", aspect="auto", extent=_block_image_extent(rec))
         _draw_sliding_window(ax, rec)
-        ax.set_xlim(0, rec.num_blocks)
-        ax.set_ylim(rec.seq_len - 0.5, -0.5)
-        _label_block_axis(ax, rec)
-        ax.set_ylabel("query position")
-        ax.set_title(title)
+        _draw_block_map(ax, rec, title)
+    _label_outer(axes)
     handles = [
         Patch(facecolor=BRANCH_COLORS["selected"], label=f"selected (top {rec.selected_indices.shape[-1]})"),
         Patch(facecolor="#ffffff", edgecolor="#999999", label="candidate, not selected"),
-        Patch(facecolor=UNAVAILABLE_COLOR, label="not selectable (no visible compressed block)"),
+        Patch(facecolor=UNAVAILABLE_COLOR, label="not selectable (no complete window yet)"),
         _window_legend_handle(rec),
     ]
     if rec.causal:
         handles.insert(1, Patch(facecolor=OWN_BLOCK_COLOR, label="own block (block-causal diagonal)"))
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3), fontsize=8, frameon=False)
+    _legend(fig, handles)
     fig.suptitle("NSA selection map: key blocks attended by each query")
     return fig
 
@@ -415,7 +487,7 @@ def plot_block_scores(source, x: torch.Tensor | None = None, *, head: int | None
     """The importance score of every key block for every query, from which the top-n
     selection is taken: the compressed-branch attention mass on the compressed blocks that
     overlap the key block (summed over the GQA group when it shares its selection).
-    Dots mark the blocks that were selected; grey cells could not be selected."""
+    A red line runs through the blocks that were selected; grey cells could not be selected."""
     rec = _as_record(source, x)
     panels = _selection_panels(rec, head)
     fig, axes = _panels(len(panels), aspect=1.15)
@@ -426,23 +498,19 @@ def plot_block_scores(source, x: torch.Tensor | None = None, *, head: int | None
         scores = np.ma.masked_where(~selectable, rec.block_scores[selection_head].numpy())
         image = ax.imshow(scores, cmap=_masked_cmap("viridis"), vmin=0.0, vmax=vmax, interpolation="nearest",
                           aspect="auto", extent=_block_image_extent(rec))
-        mask = rec.selected_mask[selection_head].numpy()
-        rows, slots = np.nonzero(mask)
-        blocks = rec.selected_indices[selection_head].numpy()[rows, slots]
-        ax.scatter(blocks + 0.5, rows, s=2.0, color="#ff4040", marker="o", linewidths=0)
-        ax.set_xlim(0, rec.num_blocks)
-        ax.set_ylim(rec.seq_len - 0.5, -0.5)
-        _label_block_axis(ax, rec)
-        ax.set_ylabel("query position")
-        ax.set_title(title)
+        selected = rec.selection_categories(selection_head) == _SELECTED
+        ax.add_collection(LineCollection(_selected_segments(selected), colors=_SELECTED_MARK_COLOR,
+                                         linewidths=1.8, capstyle="butt"))
+        _draw_block_map(ax, rec, title)
+    _label_outer(axes)
     what = "summed over the group" if rec.shared_selection and rec.group_size > 1 else "per head"
     fig.colorbar(image, ax=axes, shrink=0.8, label=f"block importance ({what})")
     handles = [
-        Line2D([], [], linestyle="none", marker="o", markersize=4, color="#ff4040", label="selected block"),
+        Line2D([], [], color=_SELECTED_MARK_COLOR, linewidth=1.8, label="selected block"),
         Patch(facecolor=UNAVAILABLE_COLOR, label="not selectable"),
     ]
-    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
-    fig.suptitle("NSA block importance scores (compressed attention mass per key block)")
+    _legend(fig, handles)
+    fig.suptitle("NSA block importance: compressed attention mass per key block")
     return fig
 
 
@@ -453,7 +521,7 @@ def plot_gates(source, x: torch.Tensor | None = None, *, head: int | None = None
     heads = _query_heads(rec, head)
     columns = min(len(heads), 2)
     rows = -(-len(heads) // columns)
-    fig = Figure(figsize=(6.0 * columns + 0.5, 2.2 * rows + 1.0), layout="constrained")
+    fig = Figure(figsize=(6.0 * columns + 0.5, 2.2 * rows + 1.2), layout="constrained")
     grid = fig.subplots(rows, columns, squeeze=False, sharex=True, sharey=True)
     for ax in grid.flat[len(heads):]:
         fig.delaxes(ax)
@@ -463,15 +531,16 @@ def plot_gates(source, x: torch.Tensor | None = None, *, head: int | None = None
         for gate, name in enumerate(GATE_NAMES):
             ax.plot(positions, rec.gates[gate, h].numpy(), color=BRANCH_COLORS[name], **_GATE_LINE_STYLES[name])
         ax.set_ylim(-0.03, 1.03)
-        ax.set_xlim(0, max(rec.seq_len - 1, 1))
+        ax.set_xlim(-0.5, rec.seq_len - 0.5)
+        _label_position_axis(ax.xaxis, rec)
         ax.grid(alpha=0.3)
         ax.set_title(f"head {h}", fontsize=10)
         ax.set_xlabel("query position")
         ax.set_ylabel("gate value")
-        ax.label_outer()
+    _label_outer(axes)
     handles = [Line2D([], [], color=BRANCH_COLORS[name], label=f"{name} branch", **_GATE_LINE_STYLES[name])
                for name in GATE_NAMES]
-    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=9, frameon=False)
+    _legend(fig, handles)
     fig.suptitle("NSA gates: how much each branch contributes to each query")
     return fig
 
@@ -483,57 +552,104 @@ def plot_compressed_attention(source, x: torch.Tensor | None = None, *, head: in
     rec = _as_record(source, x)
     heads = _query_heads(rec, head)
     fig, axes = _panels(len(heads), aspect=1.15)
-    extent = (-0.5, rec.num_mem + rec.num_compressed - 0.5, rec.seq_len - 0.5, -0.5)
-    norm = LogNorm(vmin=_MIN_PLOTTED_PROB, vmax=1.0)
+    num_keys = rec.num_mem + rec.num_compressed
+    probs = rec.compressed_probs[heads].numpy()
+    # Exact zeros are the causal mask; the scale starts at the decade of the smallest
+    # probability shown, within _PROB_DECADES of 1.
+    smallest = probs[probs > 0].min(initial=1.0)
+    norm = LogNorm(vmin=10.0 ** max(np.floor(np.log10(smallest)), -_PROB_DECADES), vmax=1.0)
     image = None
-    for ax, h in zip(axes, heads):
-        probs = rec.compressed_probs[h].numpy()
-        # Exact zeros are the causal mask; tiny positive probabilities are clipped to the scale.
-        shown = np.ma.masked_equal(probs, 0.0).clip(_MIN_PLOTTED_PROB, 1.0)
+    for ax, h, head_probs in zip(axes, heads, probs):
+        shown = np.ma.masked_equal(head_probs, 0.0).clip(norm.vmin, 1.0)
         image = ax.imshow(shown, cmap=_masked_cmap("magma"), norm=norm, interpolation="nearest",
-                          aspect="auto", extent=extent)
+                          aspect="auto", extent=(-0.5, num_keys - 0.5, rec.seq_len - 0.5, -0.5))
         if rec.num_mem:
-            ax.axvline(rec.num_mem - 0.5, color="#00b4d8", linewidth=1.0)
-        ax.set_xlabel(
-            f"compressed key: {rec.num_mem} memory, then window c = "
-            f"tokens [{rec.compress_stride}c, {rec.compress_stride}c+{rec.compress_block_size})",
-            fontsize=8,
-        )
+            ax.axvline(rec.num_mem - 0.5, color=_MEMORY_EDGE_COLOR, linewidth=1.0)
+        _label_compressed_axis(ax, rec)
+        _label_position_axis(ax.yaxis, rec)
         ax.set_ylabel("query position")
-        ax.set_title(f"head {h}")
-    fig.colorbar(image, ax=axes, shrink=0.8, label="attention probability (log scale)")
+        ax.set_title(f"head {h}", fontsize=10)
+    _label_outer(axes)
+    colorbar = fig.colorbar(image, ax=axes, shrink=0.8, label="attention probability (log scale)")
+    # Plain decimals ("0.3", "0.01") read faster than powers of ten on a probability scale;
+    # the ticks between the decades are labelled only when the scale spans a single decade.
+    decimal = FuncFormatter(lambda value, _: f"{value:g}")
+    colorbar.ax.yaxis.set_major_formatter(decimal)
+    colorbar.ax.yaxis.set_minor_formatter(decimal if norm.vmin >= 0.1 else NullFormatter())
     handles = [Patch(facecolor=UNAVAILABLE_COLOR, label="not visible (window not complete before the query)")]
     if rec.num_mem:
-        handles.append(Line2D([], [], color="#00b4d8", label="end of the memory keys"))
-    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
-    fig.suptitle("NSA compressed attention")
+        handles.append(Line2D([], [], color=_MEMORY_EDGE_COLOR, label=f"end of the memory keys ({rec.num_mem})"))
+    _legend(fig, handles)
+    fig.suptitle("NSA compressed attention: memory keys and compressed windows")
     return fig
 
 
-def _masked_cmap(name: str):
-    cmap = colormaps[name].copy()
-    cmap.set_bad(UNAVAILABLE_COLOR)
-    return cmap
+def _label_compressed_axis(ax: Axes, rec: AttentionRecord) -> None:
+    """Memory keys under one "mem" tick, then compression windows by index."""
+    step = max(1, -(-rec.num_compressed // _POSITION_TICKS))
+    # With thinned ticks, window 0 would crowd the "mem" tick next to it.
+    windows = np.arange(step if rec.num_mem and step > 1 else 0, rec.num_compressed, step)
+    ticks, labels = list(rec.num_mem + windows), [str(c) for c in windows]
+    if rec.num_mem:
+        ticks.insert(0, (rec.num_mem - 1) / 2)
+        labels.insert(0, "mem")
+    ax.set_xticks(ticks, labels)
+    ax.set_xlabel(f"compressed key: memory, then window c = tokens "
+                  f"[{rec.compress_stride}c, {rec.compress_stride}c + {rec.compress_block_size})")
 
 
 # ---------------------------------------------------------------------------- checkpoints and CLI
 
 
 def load_checkpoint(path: str | Path) -> Transformer:
-    """The ``Transformer`` saved by ``train.py`` at ``path`` (a dict with ``"model"`` and
-    ``"model_config"``), on CPU in eval mode."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"checkpoint {path} does not exist or is not a file")
+    """The ``Transformer`` saved by ``train.py``, on CPU in eval mode.
+
+    ``path`` is a checkpoint file (a dict with ``"model"``, the state dict, and
+    ``"model_config"``, the ``Transformer`` arguments) or a run directory, whose latest
+    ``checkpoints/step-*.pt`` is loaded. Every failure raises a one-line ``ValueError``.
+    """
+    path = _checkpoint_file(Path(path))
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for foreign or corrupt files
-        raise ValueError(f"could not read checkpoint {path}: {error}") from error
+        raise ValueError(
+            f"could not read checkpoint {path}: not a torch.save file of tensors and plain Python values "
+            f"({_summary(error)})"
+        ) from error
     if not isinstance(checkpoint, dict) or not {"model", "model_config"} <= checkpoint.keys():
         raise ValueError(f"{path} is not a train.py checkpoint: expected a dict with 'model' and 'model_config'")
-    model = Transformer(**checkpoint["model_config"])
-    model.load_state_dict(checkpoint["model"])
+    try:
+        model = Transformer(**checkpoint["model_config"])
+        model.load_state_dict(checkpoint["model"])
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{path} does not hold a Transformer this version can build ({_summary(error)})") from error
     return model.eval()
+
+
+def _checkpoint_file(path: Path) -> Path:
+    """``path`` itself, or the checkpoint of the highest step in a run directory (or in
+    its ``checkpoints/`` folder)."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist")
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = {}
+    for candidate in folder.glob("step-*.pt"):
+        step = candidate.stem.removeprefix("step-")
+        if step.isdigit():
+            steps[int(step)] = candidate
+    if not steps:
+        raise ValueError(f"{path} holds no checkpoint: expected {folder / 'step-<step>.pt'}")
+    return steps[max(steps)]
+
+
+def _summary(error: Exception) -> str:
+    """One line about ``error``: torch's messages run over many lines, and the one that names
+    the offending object (weights-only loading) is not the first."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line.split(". Please")[0] for line in lines if "Unsupported global" in line]
+    return f"{type(error).__name__}: {(named or lines or ['no message'])[0]}"
 
 
 PLOTS: dict[str, Callable[..., Figure]] = {
@@ -550,7 +666,8 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
         description="Run a text through a train.py checkpoint and write PNG figures of one NSA layer: "
         + ", ".join(f"{name}.png" for name in PLOTS) + ".",
     )
-    parser.add_argument("--checkpoint", required=True, type=Path, help="checkpoint written by train.py (.pt)")
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="checkpoint written by train.py (.pt), or a run directory (its latest checkpoint)")
     parser.add_argument("--text", required=True, help="text to run through the model (UTF-8 bytes are the tokens)")
     parser.add_argument("--out", required=True, type=Path, help="directory for the PNG files (created if missing)")
     parser.add_argument("--layer", type=int, default=0, help="index of the attention layer to plot (default: 0)")
@@ -566,24 +683,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Files only: never let a configured interactive backend look for a display.
     matplotlib.use("Agg")
+
+    def fail(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
     if not args.text:
-        parser.error("--text must not be empty")
+        fail("--text must not be empty")
     if args.dpi < 20:
-        parser.error(f"--dpi must be at least 20, got {args.dpi}")
+        fail(f"--dpi must be at least 20, got {args.dpi}")
     try:
         model = load_checkpoint(args.checkpoint)
     except ValueError as error:
-        parser.error(str(error))
-    num_layers = len(sparse_attention_layers(model))
-    if num_layers == 0:
-        parser.error(f"{args.checkpoint} holds a full-attention model; there is no sparse attention to plot")
-    if not 0 <= args.layer < num_layers:
-        parser.error(f"--layer must be in [0, {num_layers}) for this model, got {args.layer}")
-    heads = sparse_attention_layers(model)[args.layer].heads
+        fail(str(error))
+    layers = sparse_attention_layers(model)
+    if not layers:
+        fail(f"{args.checkpoint} holds a full-attention model; there is no sparse attention to plot")
+    if not 0 <= args.layer < len(layers):
+        fail(f"--layer must be in [0, {len(layers)}) for this model, got {args.layer}")
+    heads = layers[args.layer].heads
     if args.head is not None and not 0 <= args.head < heads:
-        parser.error(f"--head must be in [0, {heads}) for this model, got {args.head}")
-
+        fail(f"--head must be in [0, {heads}) for this model, got {args.head}")
     ids = encode_text(args.text)
+    num_tokens = model.config["num_tokens"]
+    if int(ids.max()) >= num_tokens:
+        fail(f"--text holds byte {int(ids.max())}, outside this model's {num_tokens}-token vocabulary")
+
     rec = record_forward(model, ids[None], layer=args.layer, tokens=byte_labels(ids))
     args.out.mkdir(parents=True, exist_ok=True)
     for name, plot in PLOTS.items():

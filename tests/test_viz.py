@@ -144,7 +144,7 @@ EXPECTED_LABELS = {
     viz.plot_selection_map: ("key block (16 tokens each)", "query position"),
     viz.plot_block_scores: ("key block (16 tokens each)", "query position"),
     viz.plot_gates: ("query position", "gate value"),
-    viz.plot_compressed_attention: ("compressed key: 1 memory, then window c = tokens [8c, 8c+16)", "query position"),
+    viz.plot_compressed_attention: ("compressed key: memory, then window c = tokens [8c, 8c + 16)", "query position"),
 }
 EXPECTED_COLORBARS = {viz.plot_selection_map: 0, viz.plot_block_scores: 1, viz.plot_gates: 0,
                       viz.plot_compressed_attention: 1}
@@ -196,6 +196,45 @@ def test_selection_map_labels_key_blocks_with_their_text(shared_record):
     assert len(labels) == shared_record.num_blocks
 
 
+def test_selection_map_overlays_the_sliding_window(shared_record):
+    ax = data_axes(viz.plot_selection_map(shared_record, head=0))[0]
+    first_edge, last_edge = (line.get_xdata() for line in ax.lines)
+    positions = torch.arange(SEQ_LEN).numpy()
+    window, size = ATTN_KWARGS["sliding_window_size"], ATTN_KWARGS["selection_block_size"]
+    assert (first_edge == (positions - window).clip(min=0) / size).all()
+    assert (last_edge == (positions + 1) / size).all(), "a causal window ends at the query itself"
+
+
+def test_block_scores_mark_exactly_the_selected_cells(shared_record):
+    ax = data_axes(viz.plot_block_scores(shared_record, head=0))[0]
+    (marks,) = [c for c in ax.collections if c.get_segments()]
+    marked_cells = sum(abs(seg[1, 1] - seg[0, 1]) for seg in marks.get_segments())
+    assert marked_cells == (shared_record.selection_categories(0) == 2).sum() > 0
+
+
+def test_short_text_labels_every_query_with_its_byte():
+    ids = viz.encode_text("Sparse attentions read short texts.")
+    rec = viz.record_forward(make_model(), ids[None], tokens=viz.byte_labels(ids))
+    ax = data_axes(viz.plot_selection_map(rec, head=0))[0]
+    labels = [tick.get_text() for tick in ax.get_yticklabels()]
+    # Block starts (every 16 bytes) carry their position too; spaces show as '·'.
+    assert labels[:3] == ["0 S", "p", "a"] and labels[6] == "·" and labels[16:18] == ["16 s", "·"]
+    assert len(labels) == len(ids)
+    gate_ax = data_axes(viz.plot_gates(rec, head=0))[0]
+    assert [tick.get_text() for tick in gate_ax.get_xticklabels()][:2] == ["0 S", "p"]
+
+
+def test_long_text_numbers_queries_on_block_boundaries(shared_record):
+    ax = data_axes(viz.plot_compressed_attention(shared_record, head=0))[0]
+    assert list(ax.get_yticks()) == [0, 16, 32, 48, 64]
+
+
+def test_only_the_outer_panels_keep_tick_labels(shared_record):
+    axes = data_axes(viz.plot_gates(shared_record))  # 4 heads: 2 × 2 panels
+    assert [ax.xaxis.get_tick_params()["labelbottom"] for ax in axes] == [False, False, True, True]
+    assert [ax.yaxis.get_tick_params()["labelleft"] for ax in axes] == [True, False, True, False]
+
+
 def test_plots_accept_a_non_causal_layer():
     layer, x = make_layer(causal=False), layer_input()
     for plot in SELECTION_PLOTS + PER_HEAD_PLOTS:
@@ -227,12 +266,48 @@ def test_record_from_kernel_path_explains_what_is_missing():
 # ---------------------------------------------------------------------------- CLI
 
 
+def save_checkpoint(model: Transformer, run_dir: Path, step: int) -> Path:
+    """What train.py writes: <run_dir>/checkpoints/step-XXXXXXXX.pt."""
+    path = run_dir / "checkpoints" / f"step-{step:08d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "model_config": model.config, "step": step}, path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    return save_checkpoint(make_model(), tmp_path_factory.mktemp("run"), step=0)
+
+
+def test_load_checkpoint_takes_a_file_or_the_latest_step_of_a_run(tmp_path):
+    model, ids = make_model(), torch.randint(0, 256, (1, 20))
+    save_checkpoint(model, tmp_path, step=9)
+    with torch.no_grad():
+        model.to_logits.weight.add_(1.0)
+    latest = save_checkpoint(model, tmp_path, step=10)
+    expected = model(ids)
+    for path in (tmp_path, tmp_path / "checkpoints", latest):
+        loaded = viz.load_checkpoint(path)
+        assert not loaded.training
+        assert torch.equal(loaded(ids), expected)
+    assert not torch.equal(viz.load_checkpoint(tmp_path / "checkpoints" / "step-00000009.pt")(ids), expected)
+
+
+def test_load_checkpoint_failures_are_one_line_value_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "text.pt").write_text("not a checkpoint")
     model = make_model()
-    path = tmp_path_factory.mktemp("run") / "step-00000000.pt"
-    torch.save({"model": model.state_dict(), "model_config": model.config, "step": 0}, path)
-    return path
+    torch.save({"model": model.state_dict(), "model_config": {**model.config, "depth": 3}}, tmp_path / "wrong.pt")
+    cases = [
+        (tmp_path / "missing.pt", "does not exist"),
+        (tmp_path / "empty", "holds no checkpoint"),
+        (tmp_path / "text.pt", "not a torch.save file"),
+        (tmp_path / "wrong.pt", "does not hold a Transformer this version can build"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=message) as error:
+            viz.load_checkpoint(path)
+        assert "\n" not in str(error.value)
 
 
 def test_cli_writes_non_empty_pngs(checkpoint, tmp_path):
@@ -260,39 +335,41 @@ def test_cli_help_describes_its_options():
         assert option in result.stdout
 
 
+def full_attention_checkpoint(tmp_path: Path) -> Path:
+    model = Transformer(num_tokens=256, dim=16, depth=1, heads=2, dim_head=8, use_sparse_attn=False)
+    return save_checkpoint(model, tmp_path, step=0)
+
+
 @pytest.mark.parametrize(
-    "extra, message",
+    "arguments, message",
     [
-        (["--layer", "2"], r"--layer must be in \[0, 2\)"),
-        (["--head", "4"], r"--head must be in \[0, 4\)"),
-        (["--text", ""], "--text must not be empty"),
+        (lambda ckpt, tmp: ["--layer", "2"], r"--layer must be in \[0, 2\) for this model, got 2"),
+        (lambda ckpt, tmp: ["--head", "4"], r"--head must be in \[0, 4\) for this model, got 4"),
+        (lambda ckpt, tmp: ["--text", ""], "--text must not be empty"),
+        (lambda ckpt, tmp: ["--checkpoint", str(tmp / "missing.pt")], "missing.pt does not exist"),
+        (lambda ckpt, tmp: ["--checkpoint", str(tmp)], "holds no checkpoint"),
+        (lambda ckpt, tmp: ["--checkpoint", str(full_attention_checkpoint(tmp))], "full-attention model"),
     ],
+    ids=["layer", "head", "empty-text", "missing-checkpoint", "run-without-checkpoint", "full-attention"],
 )
-def test_cli_rejects_bad_arguments(extra, message, checkpoint, tmp_path, capsys):
-    argv = ["--checkpoint", str(checkpoint), "--text", "abc", "--out", str(tmp_path), *extra]
+def test_cli_rejects_bad_input_in_one_line_with_exit_code_2(arguments, message, checkpoint, tmp_path, capsys):
+    argv = ["--checkpoint", str(checkpoint), "--text", "abc", "--out", str(tmp_path / "figures"),
+            *arguments(checkpoint, tmp_path)]
     with pytest.raises(SystemExit) as exit_info:
         viz.main(argv)
     assert exit_info.value.code == 2
-    assert re.search(message, capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m native_sparse_attention.viz: error: ")
+    assert re.search(message, err)
+    assert not (tmp_path / "figures").exists()
 
 
 def test_cli_rejects_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
     not_a_checkpoint = tmp_path / "notes.pt"
     torch.save({"weights": torch.zeros(1)}, not_a_checkpoint)
-    for path in (not_a_checkpoint, tmp_path / "missing.pt"):
-        with pytest.raises(SystemExit):
-            viz.main(["--checkpoint", str(path), "--text", "abc", "--out", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert "is not a train.py checkpoint" in err and "does not exist" in err
-
-
-def test_cli_rejects_a_full_attention_checkpoint(tmp_path, capsys):
-    model = Transformer(num_tokens=256, dim=16, depth=1, heads=2, dim_head=8, use_sparse_attn=False)
-    path = tmp_path / "full.pt"
-    torch.save({"model": model.state_dict(), "model_config": model.config, "step": 0}, path)
     with pytest.raises(SystemExit):
-        viz.main(["--checkpoint", str(path), "--text", "abc", "--out", str(tmp_path)])
-    assert "full-attention model" in capsys.readouterr().err
+        viz.main(["--checkpoint", str(not_a_checkpoint), "--text", "abc", "--out", str(tmp_path)])
+    assert "is not a train.py checkpoint: expected a dict with 'model' and 'model_config'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- notebook
