@@ -1,0 +1,355 @@
+"""Selection-branch Triton kernels (``native_sparse_attend``) against the float64 reference.
+
+Without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set in
+conftest.py) on small float32 / float16 problems; with CUDA the same tests run compiled,
+plus the ``gpu`` ones at n >= 4096 in bf16 and fp16. Every buffer the kernels write
+starts as NaN, so an element a kernel forgets to write fails the comparison.
+
+The selections are drawn to hit the op's corner cases: duplicate slots, masked slots,
+rows whose slots are all masked, negative indices, blocks past the end and, in causal
+mode, blocks after the query (which the causal cap must drop).
+"""
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from native_sparse_attention import native_sparse_attend
+from native_sparse_attention.kernels import selection as selection_kernels
+from native_sparse_attention.kernels.selection import LaunchConfig
+from native_sparse_attention.reference import selected_attend, sliding_window_attend
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = DEVICE.type == "cpu"
+if INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    monkeypatch.setattr(
+        selection_kernels, "_empty",
+        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
+    )
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem: q [b, hq, n, d], k, v [b, hk, n, d], ``num_slots`` selected blocks."""
+
+    b: int = 1
+    hq: int = 4
+    hk: int = 2
+    n: int = 37
+    d: int = 32
+    block_size: int = 16
+    num_slots: int = 3
+    per_query_head: bool = False
+    causal: bool = True
+    window: int | None = None  # None: no sliding output
+    sel_scale: bool = True
+    fine_n: int | None = None  # LaunchConfig.fine_n; None: the default
+    dtype: torch.dtype = torch.float32
+    index_dtype: torch.dtype = torch.int64
+    heads_last: bool = False  # q, k, v as transposed [b, n, h, d] views
+
+    @property
+    def selection_heads(self) -> int:
+        return self.hq if self.per_query_head else self.hk
+
+
+def random_selection(case: Case, gen: torch.Generator):
+    """indices, fmask [b, hs, n, sel] with duplicates, masked slots, all-masked rows and
+    out-of-range blocks (negative, past the end, and after the query when causal)."""
+    b, hs, n, sel, bs = case.b, case.selection_heads, case.n, case.num_slots, case.block_size
+    num_blocks = math.ceil(n / bs)
+    own_block = torch.arange(n) // bs
+    if case.causal:
+        # Mostly blocks up to the query's own one, sometimes later ones the cap must drop.
+        upper = torch.where(torch.rand(b, hs, n, sel, generator=gen) < 0.85, own_block[:, None] + 1, num_blocks)
+        indices = (torch.rand(b, hs, n, sel, generator=gen) * upper).long()
+    else:
+        indices = torch.randint(0, num_blocks, (b, hs, n, sel), generator=gen)
+    corner = torch.rand(b, hs, n, sel, generator=gen)
+    indices = torch.where(corner < 0.05, -1, indices)
+    indices = torch.where((corner > 0.95), num_blocks + 1, indices)
+    if sel > 1:
+        duplicated = torch.rand(b, hs, n, generator=gen) < 0.3
+        indices[..., 1] = torch.where(duplicated, indices[..., 0], indices[..., 1])
+    fmask = torch.rand(b, hs, n, sel, generator=gen) < 0.8
+    fmask &= (torch.rand(b, hs, n, 1, generator=gen) > 0.15)  # some rows with every slot masked
+    return indices.to(case.index_dtype), fmask
+
+
+def make_inputs(case: Case, seed: int):
+    """Fresh random q, k, v, indices, fmask, sel_scale (or None) on DEVICE."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(h):
+        shape = (case.b, case.n, h, case.d) if case.heads_last else (case.b, h, case.n, case.d)
+        t = torch.randn(shape, generator=gen).to(DEVICE, case.dtype)
+        return (t.transpose(1, 2) if case.heads_last else t).requires_grad_()
+
+    q, k, v = rand(case.hq), rand(case.hk), rand(case.hk)
+    indices, fmask = random_selection(case, gen)
+    sel_scale = None
+    if case.sel_scale:
+        sel_scale = (0.5 + torch.rand(indices.shape, generator=gen)).to(DEVICE).requires_grad_()
+    return q, k, v, indices.to(DEVICE), fmask.to(DEVICE), sel_scale
+
+
+def run_kernels(case: Case, q, k, v, indices, fmask, sel_scale, monkeypatch=None):
+    """out, sliding_out (or None), lse of native_sparse_attend."""
+    if case.fine_n is not None:
+        monkeypatch.setattr(selection_kernels, "default_launch_config", lambda *_: LaunchConfig(fine_n=case.fine_n))
+    sliding = case.window is not None
+    outputs = native_sparse_attend(
+        q, k, v, case.block_size, indices, fmask, sel_scale=sel_scale, include_block_causal=case.causal,
+        return_sliding_window_out=sliding, sliding_window_size=case.window, return_lse=True,
+    )
+    return (outputs[0], outputs[1], outputs[2]) if sliding else (outputs[0], None, outputs[1])
+
+
+def reference(case: Case, q, k, v, indices, fmask, sel_scale, d_out, d_sliding, max_elements=2**27):
+    """float64 out, sliding_out, lse and gradients of q, k, v, sel_scale.
+
+    Runs in chunks of queries small enough for the reference's [chunk, keys, d] gathers
+    and [chunk, n] logits, with the gradients accumulated over the chunks."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s64 = None if sel_scale is None else sel_scale.detach().double().requires_grad_()
+    gathered = case.b * case.hq * (case.num_slots + 1) * case.block_size * case.d
+    outs, lses = [], []
+    for rows in _chunks(case.n, max_elements // gathered):
+        out, lse = selected_attend(
+            q64[:, :, rows], k64, v64, case.block_size, indices[:, :, rows], fmask[:, :, rows],
+            None if s64 is None else s64[:, :, rows], include_block_causal=case.causal, q_offset=rows.start,
+        )
+        (out * d_out[:, :, rows].double()).sum().backward()
+        outs.append(out.detach()), lses.append(lse)
+    slidings = []
+    for rows in _chunks(case.n, max_elements // (case.b * case.hq * case.n)) if case.window is not None else ():
+        sliding, _ = sliding_window_attend(q64[:, :, rows], k64, v64, case.window, causal=case.causal,
+                                           q_offset=rows.start)
+        (sliding * d_sliding[:, :, rows].double()).sum().backward()
+        slidings.append(sliding.detach())
+    grads = (q64.grad, k64.grad, v64.grad, None if s64 is None else s64.grad)
+    sliding = torch.cat(slidings, 2) if slidings else None
+    return torch.cat(outs, 2), sliding, torch.cat(lses, 2), grads
+
+
+def _chunks(n: int, size: int):
+    """Slices covering range(n) in pieces of ``size`` (at least 1) rows."""
+    size = max(size, 1)
+    return [slice(start, start + size) for start in range(0, n, size)]
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    if dtype == torch.float32:
+        return 1e-5 if INTERPRETED else 5e-3  # TF32 products on the GPU
+    return 2e-2
+
+
+def assert_close_scaled(actual, expected, tol, name):
+    """Elementwise closeness relative to the tensor's own magnitude."""
+    assert actual.shape == expected.shape, name
+    assert torch.isfinite(actual).all(), f"{name} has non-finite elements"
+    scale = expected.abs().max().clamp_min(1e-6).item()
+    torch.testing.assert_close(actual.double(), expected, atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def check_against_reference(case: Case, seed: int = 0, monkeypatch=None):
+    q, k, v, indices, fmask, sel_scale = make_inputs(case, seed)
+    out, sliding, lse = run_kernels(case, q, k, v, indices, fmask, sel_scale, monkeypatch)
+    gen = torch.Generator().manual_seed(seed + 1)
+    d_out = torch.randn(out.shape, generator=gen).to(DEVICE, case.dtype)
+    d_sliding = torch.randn(out.shape, generator=gen).to(DEVICE, case.dtype)
+    loss = (out * d_out).sum() + (0 if sliding is None else (sliding * d_sliding).sum())
+    inputs = (q, k, v) + (() if sel_scale is None else (sel_scale,))
+    grads = torch.autograd.grad(loss, inputs)
+    ref_out, ref_sliding, ref_lse, ref_grads = reference(case, q, k, v, indices, fmask, sel_scale, d_out, d_sliding)
+    tol = tolerance(case.dtype)
+
+    assert out.dtype == case.dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    assert_close_scaled(out, ref_out, tol, "out")
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "rows without keys must have LSE -inf"
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=tol * 10, rtol=tol)
+    if sliding is not None:
+        assert_close_scaled(sliding, ref_sliding, tol, "sliding_out")
+    for name, grad, ref_grad in zip(("dq", "dk", "dv", "dsel_scale"), grads, ref_grads):
+        assert_close_scaled(grad, ref_grad, tol, name)
+    # A query without keys outputs zeros; without a sliding output it also gets zero dq.
+    assert (out[empty] == 0).all()
+    if sliding is None:
+        assert (grads[0][empty] == 0).all()
+    if sel_scale is not None:
+        # Masked slots and slots whose keys are all dropped do not depend on sel_scale.
+        assert (grads[3][~fmask] == 0).all()
+    return empty
+
+
+CASES = {
+    "odd_n_group3_d48_sliding": Case(hq=6, hk=2, n=37, d=48, window=20),
+    "per_query_head_fp16": Case(hq=2, hk=1, n=35, per_query_head=True, dtype=torch.float16),
+    "group16_block32": Case(hq=16, hk=1, n=45, d=16, block_size=32, num_slots=2),
+    "group1_d24_int32_no_sel_scale": Case(hq=1, hk=1, n=33, d=24, sel_scale=False, index_dtype=torch.int32),
+    "block32_fine16": Case(hq=2, hk=1, n=40, d=16, block_size=32, num_slots=2, fine_n=16),
+    "non_causal_block128": Case(hq=2, hk=1, n=40, d=16, block_size=128, num_slots=2, causal=False),
+    "non_causal_sliding_per_head": Case(hq=2, hk=1, n=29, d=16, causal=False, window=6, per_query_head=True),
+    "non_causal_block64_fp16_strided": Case(hq=2, hk=1, n=40, block_size=64, causal=False, dtype=torch.float16,
+                                            heads_last=True),
+    "sliding_fp16_window0_d96": Case(hq=2, hk=1, n=21, d=96, num_slots=2, window=0, dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference(case, monkeypatch):
+    empty = check_against_reference(case, monkeypatch=monkeypatch)
+    if not case.causal:
+        assert empty.any(), "the matrix must contain rows without keys"
+
+
+def test_sliding_out_alone_defaults_to_block_size_window():
+    """Only the sliding output gets a gradient (the selection's is materialised as zeros),
+    the window defaults to block_size, and the selection's LSE is the reference's."""
+    case = Case(hq=2, hk=1, n=24, d=16, block_size=16, num_slots=1, window=16, sel_scale=False)
+    q, k, v, indices, fmask, _ = make_inputs(case, seed=5)
+    out, sliding = native_sparse_attend(q, k, v, 16, indices, fmask, return_sliding_window_out=True)
+    sliding.sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_sliding, _ = sliding_window_attend(q64, k64, v64, 16)
+    ref_sliding.sum().backward()
+    tol = tolerance(case.dtype)
+    assert_close_scaled(sliding, ref_sliding, tol, "sliding_out")
+    for name, grad, ref_grad in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), (q64.grad, k64.grad, v64.grad)):
+        assert_close_scaled(grad, ref_grad, tol, name)
+
+
+def test_kernels_match_cpu_fallback(monkeypatch):
+    """The PyTorch fallback (CPU without the interpreter) has the kernels' semantics."""
+    case = Case(hq=2, hk=1, n=20, d=16, num_slots=2, window=5)
+    q, k, v, indices, fmask, sel_scale = make_inputs(case, seed=7)
+    args = (q, k, v, case.block_size, indices, fmask, sel_scale)
+    kwargs = dict(return_sliding_window_out=True, sliding_window_size=5, return_lse=True)
+    kernel_outputs = native_sparse_attend(*args, **kwargs)
+    monkeypatch.setattr("native_sparse_attention.attend._use_kernels", lambda q: False)
+    fallback_outputs = native_sparse_attend(*args, **kwargs)
+    tol = tolerance(case.dtype)
+    for name, actual, expected in zip(("out", "sliding_out", "lse"), kernel_outputs, fallback_outputs):
+        assert expected.dtype == actual.dtype, name
+        torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+# --- input validation --------------------------------------------------------------------
+
+
+def _valid_arguments():
+    q, k, v = torch.zeros(1, 4, 32, 16), torch.zeros(1, 2, 32, 16), torch.zeros(1, 2, 32, 16)
+    indices = torch.zeros(1, 2, 32, 2, dtype=torch.long)
+    return dict(q=q, k=k, v=v, block_size=16, selected_block_indices=indices,
+                fmask=torch.ones(1, 2, 32, 2, dtype=torch.bool), sel_scale=torch.ones(1, 2, 32, 2))
+
+
+INVALID = {
+    "q_not_tensor": (dict(q=[[0.0]]), TypeError, "q"),
+    "q_3d": (dict(q=torch.zeros(4, 32, 16)), ValueError, "q"),
+    "q_float64": (dict(q=torch.zeros(1, 4, 32, 16, dtype=torch.float64)), ValueError, "q"),
+    "k_dtype": (dict(k=torch.zeros(1, 2, 32, 16, dtype=torch.float16)), ValueError, "k"),
+    "k_length": (dict(k=torch.zeros(1, 2, 31, 16)), ValueError, "k"),
+    "v_shape": (dict(v=torch.zeros(1, 2, 32, 8)), ValueError, "v"),
+    "heads_not_multiple": (dict(k=torch.zeros(1, 3, 32, 16), v=torch.zeros(1, 3, 32, 16)), ValueError, "heads"),
+    "group_17": (dict(q=torch.zeros(1, 17, 32, 16), k=torch.zeros(1, 1, 32, 16), v=torch.zeros(1, 1, 32, 16),
+                      selected_block_indices=torch.zeros(1, 1, 32, 2, dtype=torch.long),
+                      fmask=torch.ones(1, 1, 32, 2, dtype=torch.bool), sel_scale=None), ValueError, "query heads"),
+    "head_dim_160": (dict(q=torch.zeros(1, 4, 32, 160), k=torch.zeros(1, 2, 32, 160), v=torch.zeros(1, 2, 32, 160)),
+                     ValueError, "head dim"),
+    "block_size_24": (dict(block_size=24), ValueError, "block_size"),
+    "block_size_256": (dict(block_size=256), ValueError, "block_size"),
+    "block_size_float": (dict(block_size=16.0), TypeError, "block_size"),
+    "indices_heads": (dict(selected_block_indices=torch.zeros(1, 3, 32, 2, dtype=torch.long)), ValueError,
+                      "selected_block_indices"),
+    "indices_float": (dict(selected_block_indices=torch.zeros(1, 2, 32, 2)), ValueError, "selected_block_indices"),
+    "fmask_not_bool": (dict(fmask=torch.ones(1, 2, 32, 2)), ValueError, "fmask"),
+    "fmask_shape": (dict(fmask=torch.ones(1, 2, 32, 3, dtype=torch.bool)), ValueError, "fmask"),
+    "sel_scale_shape": (dict(sel_scale=torch.ones(1, 2, 32, 1)), ValueError, "sel_scale"),
+    "sel_scale_integer": (dict(sel_scale=torch.ones(1, 2, 32, 2, dtype=torch.long)), ValueError, "sel_scale"),
+    "sel_scale_device": (dict(sel_scale=torch.ones(1, 2, 32, 2, device="meta")), ValueError, "sel_scale"),
+    "window_negative": (dict(return_sliding_window_out=True, sliding_window_size=-1), ValueError,
+                        "sliding_window_size"),
+    "window_float": (dict(return_sliding_window_out=True, sliding_window_size=4.0), TypeError,
+                     "sliding_window_size"),
+    "scale_infinite": (dict(scale=float("inf")), ValueError, "scale"),
+    "scale_string": (dict(scale="0.1"), TypeError, "scale"),
+    "causal_not_bool": (dict(include_block_causal=1), TypeError, "include_block_causal"),
+    "return_lse_not_bool": (dict(return_lse=None), TypeError, "return_lse"),
+}
+
+
+@pytest.mark.parametrize("change, error, name", INVALID.values(), ids=INVALID.keys())
+def test_invalid_arguments_raise_before_launch(change, error, name, monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched before validation")
+
+    monkeypatch.setattr(selection_kernels, "selection_attention", no_launch)
+    kwargs = _valid_arguments()
+    kwargs.update(change)
+    with pytest.raises(error, match=name):
+        native_sparse_attend(**kwargs)
+
+
+# --- GPU (compiled kernels at realistic sizes) -------------------------------------------------
+
+
+GPU_CASES = {
+    "shared_group4_d64_sliding_bf16": Case(hq=16, hk=4, n=4096, d=64, block_size=64, num_slots=16, window=256,
+                                           dtype=torch.bfloat16),
+    "per_head_group3_d48_non_causal_fp16": Case(b=2, hq=6, hk=2, n=4100, d=48, block_size=32, num_slots=8,
+                                                per_query_head=True, causal=False, window=100,
+                                                dtype=torch.float16),
+    "group16_d128_block128_bf16": Case(hq=16, hk=1, n=4096, d=128, block_size=128, num_slots=8,
+                                       dtype=torch.bfloat16),
+    "group1_d96_fp16_int32": Case(hq=4, hk=4, n=4099, d=96, block_size=16, num_slots=12, sel_scale=False,
+                                  index_dtype=torch.int32, dtype=torch.float16, heads_last=True),
+}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_gpu_long_sequences(case):
+    check_against_reference(case, seed=11)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_int64_offsets():
+    """b * hq * n * d > 2**31: every kernel must address past the int32 range."""
+    case = Case(b=4100, hq=8, hk=2, n=1024, d=64, block_size=64, num_slots=4, window=64, dtype=torch.bfloat16)
+    assert case.b * case.hq * case.n * case.d > 2**31
+    q, k, v, indices, fmask, sel_scale = make_inputs(replace(case, b=1), seed=3)
+    expand = lambda t: t.detach().expand(case.b, *t.shape[1:]).contiguous()  # noqa: E731
+    q, k, v, sel_scale = (expand(t).requires_grad_() for t in (q, k, v, sel_scale))
+    indices, fmask = expand(indices), expand(fmask)
+    # Only the last batch element gets gradient: its rows sit past 2**31 elements.
+    d_out = torch.zeros_like(q)
+    d_out[-1].normal_()
+    d_sliding = torch.zeros_like(q)
+    d_sliding[-1].normal_()
+    out, sliding, lse = run_kernels(case, q, k, v, indices, fmask, sel_scale)
+    ((out * d_out).sum() + (sliding * d_sliding).sum()).backward()
+    last = slice(case.b - 1, case.b)
+    one = replace(case, b=1)
+    ref_out, ref_sliding, ref_lse, ref_grads = reference(
+        one, q[last], k[last], v[last], indices[last], fmask[last], sel_scale[last], d_out[last], d_sliding[last]
+    )
+    tol = tolerance(case.dtype)
+    assert_close_scaled(out[last], ref_out, tol, "out")
+    assert_close_scaled(sliding[last], ref_sliding, tol, "sliding_out")
+    torch.testing.assert_close(lse[last].double(), ref_lse, atol=tol, rtol=tol)
+    for name, grad, ref_grad in zip(("dq", "dk", "dv", "dsel_scale"), (q.grad, k.grad, v.grad, sel_scale.grad),
+                                    ref_grads):
+        assert_close_scaled(grad[last], ref_grad, tol, name)
