@@ -1,0 +1,626 @@
+"""Byte-level language-model training with NSA or full attention: ``python train.py``.
+
+Settings come from a preset (``enwik8``: the GPU toy run; ``tiny``: a CPU run of a minute)
+overridden by command-line flags; ``python train.py --help`` lists them. A run writes to
+its run directory:
+
+- ``config.json``: the resolved settings, plus a ``run`` section (corpus, device,
+  attention backend, world size, parameter count);
+- ``metrics.jsonl``: one JSON object per logged step: ``step``, ``loss`` (nats),
+  ``bpb``, ``lr``, ``grad_norm``, ``tokens_per_s``, and ``val_loss`` / ``val_bpb`` on
+  validation steps;
+- ``loss_curve.png``: train and validation bits per byte against step, overlaid with the
+  comparable runs beside it (see ``plotting.py``);
+- ``samples.txt``: text generated with the KV cache from a fixed validation prompt;
+- ``checkpoints/step-XXXXXXXX.pt`` (see ``checkpoint.py``): every ``--checkpoint-every``
+  steps, at the end, on the first Ctrl-C or SIGTERM (after the step in flight), and when
+  the loop crashes.
+
+``--resume`` continues the run from its latest checkpoint: weights, optimizer, data
+order and RNG state, so the losses it logs are those of an uninterrupted run (bit for bit
+on the CPU). Under ``torchrun`` every rank trains on its own data stream with
+DistributedDataParallel; rank 0 logs, samples and saves. Usage errors and unusable data
+end the program with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from native_sparse_attention.checkpoint import atomic_write, latest_checkpoint, load_checkpoint, save_checkpoint
+from native_sparse_attention.data import (
+    DataError,
+    RandomOffsetSampler,
+    load_corpus,
+    split_corpus,
+    validation_offsets,
+    windows,
+)
+from native_sparse_attention.transformer import Transformer
+
+__all__ = ["PRESETS", "TrainConfig", "UsageError", "autocast", "main", "resolve_config", "train", "train_step"]
+
+ATTENTIONS = ("sparse", "full")
+BACKENDS = ("triton", "flex", "pytorch")
+NUM_TOKENS = 256  # bytes
+MIN_LR_RATIO = 0.1  # where the cosine schedule ends, relative to --lr
+
+
+class UsageError(Exception):
+    """Flags that cannot be honoured; the message is one line meant for the user."""
+
+
+def _setting(default, help: str, type=None, minimum=None, choices=None):
+    return field(default=default, metadata=dict(help=help, type=type, minimum=minimum, choices=choices))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a run. The defaults are the ``enwik8`` preset."""
+
+    preset: str | None = _setting(None, "enwik8: the GPU toy run; tiny: a small CPU run "
+                                        "(default: enwik8 with CUDA, tiny without)", str, choices=None)
+    attn: str = _setting("sparse", "sparse: Native Sparse Attention; full: dense attention (SDPA), the baseline",
+                         str, choices=ATTENTIONS)
+    backend: str | None = _setting(None, "how sparse attention runs: triton kernels, FlexAttention or the "
+                                         "PyTorch reference (default: triton with CUDA, pytorch without)",
+                                   str, choices=BACKENDS)
+    dim: int = _setting(512, "model width", int, 1)
+    depth: int = _setting(6, "number of layers", int, 1)
+    heads: int = _setting(8, "query heads", int, 1)
+    dim_head: int = _setting(64, "width of each head", int, 2)
+    kv_heads: int = _setting(4, "key/value heads (grouped-query attention)", int, 1)
+    seq_len: int = _setting(512, "bytes per training sequence", int, 1)
+    sliding_window: int = _setting(64, "sliding-window size of sparse attention", int, 0)
+    compress_block: int = _setting(16, "tokens per compressed block", int, 1)
+    compress_stride: int = _setting(8, "distance between compressed blocks", int, 1)
+    selection_block: int = _setting(16, "tokens per selectable block", int, 1)
+    num_selected: int = _setting(4, "selected blocks per query", int, 0)
+    batch_size: int = _setting(16, "sequences per micro-batch (per rank)", int, 1)
+    grad_accum: int = _setting(1, "micro-batches per optimizer step", int, 1)
+    steps: int = _setting(10_000, "optimizer steps of the whole run", int, 1)
+    lr: float = _setting(6e-4, "peak learning rate (AdamW)", float, 0.0)
+    lr_schedule: str = _setting("constant", "after warm-up: constant, or cosine decay to "
+                                            f"{MIN_LR_RATIO:g} x lr at --steps", str, choices=("constant", "cosine"))
+    warmup_steps: int = _setting(100, "linear learning-rate warm-up", int, 0)
+    weight_decay: float = _setting(0.1, "AdamW weight decay of the weight matrices", float, 0.0)
+    grad_clip: float = _setting(1.0, "gradient-norm clipping threshold (0: no clipping)", float, 0.0)
+    compile: bool = _setting(False, "torch.compile the model", bool)
+    data: str | None = _setting(None, "enwik8 (downloaded to data/enwik8.gz when missing), stdlib (the Python "
+                                      "standard library's source) or a path to any file of bytes, plain or "
+                                      ".gz (default: enwik8, or stdlib when it cannot be downloaded)", str)
+    seed: int = _setting(0, "seed of the initialisation and of the data order", int)
+    device: str | None = _setting(None, "cuda or cpu (default: cuda when available)", str, choices=("cuda", "cpu"))
+    log_every: int = _setting(10, "steps between metrics records", int, 1)
+    val_every: int = _setting(250, "steps between validation passes (0: only at the end)", int, 0)
+    val_batches: int = _setting(16, "micro-batches per validation pass", int, 1)
+    sample_every: int = _setting(1000, "steps between text samples (0: never)", int, 0)
+    sample_len: int = _setting(256, "bytes generated per sample", int, 1)
+    prime_len: int = _setting(128, "bytes of validation text that prompt each sample", int, 1)
+    checkpoint_every: int = _setting(1000, "steps between checkpoints (0: only at the end)", int, 0)
+    keep_checkpoints: int = _setting(3, "checkpoints kept (the newest)", int, 1)
+
+
+PRESETS: dict[str, dict] = {
+    "enwik8": {},
+    "tiny": dict(
+        dim=64, depth=2, heads=4, dim_head=16, kv_heads=2, seq_len=128, sliding_window=32,
+        compress_block=16, compress_stride=8, selection_block=16, num_selected=2,
+        batch_size=8, steps=50, lr=2e-3, warmup_steps=5, log_every=5, val_every=25, val_batches=4,
+        sample_every=50, sample_len=64, prime_len=32, checkpoint_every=25,
+    ),
+}
+
+# Settings a resumed run cannot change: they shape the weights.
+_ARCHITECTURE = ("attn", "dim", "depth", "heads", "dim_head", "kv_heads", "compress_block", "compress_stride",
+                 "selection_block", "num_selected", "sliding_window")
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _bounded(kind, minimum):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _help(name: str, text: str) -> str:
+    """The flag's help with the presets' values of its setting."""
+    values = {preset: overrides.get(name, TrainConfig.__dataclass_fields__[name].default)
+              for preset, overrides in PRESETS.items()}
+    distinct = set(map(repr, values.values()))
+    if distinct == {"None"}:
+        return text
+    if len(distinct) == 1:
+        return f"{text} [{next(iter(values.values()))}]"
+    return f"{text} [{', '.join(f'{preset}: {value}' for preset, value in values.items())}]"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="train.py",
+        description="Train a byte-level language model with Native Sparse Attention or full attention. "
+                    "Flags override the preset's values, shown in brackets.",
+        argument_default=argparse.SUPPRESS,  # only explicit flags override the preset
+    )
+    for setting in fields(TrainConfig):
+        meta = setting.metadata
+        flag = "--" + setting.name.replace("_", "-")
+        if setting.name == "preset":
+            parser.add_argument(flag, choices=sorted(PRESETS), help=meta["help"])
+            continue
+        help = _help(setting.name, meta["help"])
+        if meta["type"] is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
+        else:
+            metavar = None if meta["choices"] else {int: "N", float: "X", str: "SPEC"}[meta["type"]]
+            parser.add_argument(flag, type=_bounded(meta["type"], meta["minimum"]), choices=meta["choices"],
+                                metavar=metavar, help=help)
+    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="where the run writes (default: runs/<preset>-<attn>)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    return parser
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve_config(argv: list[str] | None) -> tuple[TrainConfig, Path, bool]:
+    """Flags -> (settings, run directory, resume). A fresh run starts from its preset; a
+    resumed one from the settings saved in its run directory. Raises ``UsageError``."""
+    flags = vars(build_parser().parse_args(argv))
+    resume = flags.pop("resume", False)
+    run_dir = flags.pop("run_dir", None)
+    if flags.get("device") == "cuda" and not _cuda_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    use_cuda = flags.get("device", "cuda" if _cuda_available() else "cpu") == "cuda"
+    preset = flags.get("preset") or ("enwik8" if use_cuda else "tiny")
+    if run_dir is None:
+        run_dir = Path("runs") / f"{preset}-{flags.get('attn', PRESETS[preset].get('attn', 'sparse'))}"
+
+    checkpoint = latest_checkpoint(run_dir)
+    if resume:
+        if checkpoint is None:
+            raise UsageError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+        config = _saved_config(run_dir)
+        changed = [name for name in _ARCHITECTURE if name in flags and flags[name] != getattr(config, name)]
+        if changed:
+            name = changed[0]
+            raise UsageError(f"--{name.replace('_', '-')} {flags[name]} contradicts the run being resumed "
+                             f"({getattr(config, name)}): a resumed run keeps its architecture")
+        config = replace(config, **{name: value for name, value in flags.items() if name != "preset"})
+    else:
+        if checkpoint is not None:
+            raise UsageError(f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
+                             "or choose another --run-dir")
+        config = TrainConfig(**{**PRESETS[preset], **flags, "preset": preset})
+
+    if config.attn == "full" and "backend" in flags:
+        raise UsageError(f"--backend {flags['backend']} selects how sparse attention runs; "
+                         "it contradicts --attn full")
+    if config.backend in ("triton", "flex") and not use_cuda:
+        raise UsageError(f"--backend {config.backend} needs a CUDA device; use --backend pytorch on the CPU")
+    if config.prime_len > config.seq_len:
+        raise UsageError(f"--prime-len {config.prime_len} must not exceed --seq-len {config.seq_len}")
+    return config, Path(run_dir), resume
+
+
+def _saved_config(run_dir: Path) -> TrainConfig:
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UsageError(f"--resume: cannot read {run_dir / 'config.json'}: {error}") from None
+    names = {setting.name for setting in fields(TrainConfig)}
+    return TrainConfig(**{name: value for name, value in saved.items() if name in names})
+
+
+# ---------------------------------------------------------------------------- model and optimisation
+
+
+def attention_backend(config: TrainConfig, device: torch.device) -> str | None:
+    """The backend sparse attention runs on (None for full attention)."""
+    if config.attn == "full":
+        return None
+    return config.backend or ("triton" if device.type == "cuda" else "pytorch")
+
+
+def build_model(config: TrainConfig, backend: str | None) -> Transformer:
+    sparse_attn_kwargs = dict(
+        sliding_window_size=config.sliding_window,
+        compress_block_size=config.compress_block,
+        compress_block_sliding_stride=config.compress_stride,
+        selection_block_size=config.selection_block,
+        num_selected_blocks=config.num_selected,
+        use_triton_kernel=backend == "triton",
+        use_flex_attention=backend == "flex",
+    )
+    try:
+        return Transformer(
+            num_tokens=NUM_TOKENS, dim=config.dim, depth=config.depth, heads=config.heads,
+            dim_head=config.dim_head, kv_heads=config.kv_heads, causal=True,
+            use_sparse_attn=config.attn == "sparse", sparse_attn_kwargs=sparse_attn_kwargs,
+        )
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"invalid model settings: {error}") from None
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight matrices (and embeddings) decay, gains and biases do not."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [dict(params=decay, weight_decay=config.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), fused=fused)
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then constant or cosine decay."""
+    warmup = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
+    if config.lr_schedule == "constant":
+        return config.lr * warmup
+    progress = min(1.0, step / config.steps)
+    decay = MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
+    return config.lr * warmup * decay
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; full precision on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def train_step(model, optimizer, micro_batches: list[torch.Tensor], grad_clip: float, no_sync=None):
+    """One optimizer step over ``micro_batches`` (ids [b, n + 1] each, on the model's
+    device), gradients averaged over them. ``no_sync`` (DDP's) skips the gradient
+    all-reduce of all but the last. Returns (mean loss, gradient norm before clipping),
+    0-dim tensors."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for index, ids in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with nullcontext() if last or no_sync is None else no_sync():
+            with autocast(ids.device):
+                loss = model(ids, return_loss=True)
+            (loss / len(micro_batches)).backward()
+        total = total + loss.detach().float()
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return total / len(micro_batches), grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, data: torch.Tensor, offsets: torch.Tensor, config: TrainConfig,
+             device: torch.device) -> float:
+    """Mean loss (nats per byte) over the windows at ``offsets``, summed over all ranks."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, windows
+    for chunk in offsets.split(config.batch_size):
+        ids = windows(data, chunk, config.seq_len).to(device)
+        with autocast(device):
+            loss = model(ids, return_loss=True)
+        totals += torch.stack((loss.double() * len(chunk), torch.tensor(len(chunk), device=device)))
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    model.train(was_training)
+    return (totals[0] / totals[1]).item()
+
+
+def generate_sample(model: Transformer, prompt: torch.Tensor, config: TrainConfig, seed: int) -> str:
+    """Continue ``prompt: [p]`` by ``sample_len`` bytes with the KV cache. Uses its own
+    seeded RNG, leaving the training RNG untouched."""
+    device = prompt.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(device):
+        torch.manual_seed(seed)
+        generated = model.sample(prompt, prompt.numel() + config.sample_len, temperature=1.0,
+                                 filter_thres=0.9, use_cache_kv=True)
+    return bytes(generated.tolist()).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------- run bookkeeping
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process trains: its device and its place in a distributed run."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def start_runtime(config: TrainConfig) -> Runtime:
+    """Join the process group when started by torchrun (NCCL on CUDA, gloo on the CPU)."""
+    use_cuda = (config.device or ("cuda" if _cuda_available() else "cpu")) == "cuda"
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size == 1:
+        return Runtime(torch.device("cuda" if use_cuda else "cpu"))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return Runtime(device, dist.get_rank(), dist.get_world_size())
+
+
+def _load_corpus(config: TrainConfig, runtime: Runtime, announce):
+    """Rank 0 finds the corpus (downloading or falling back); the other ranks then read the
+    same one, or raise the same error."""
+    if not runtime.distributed:
+        return load_corpus(config.data, announce=announce)
+    message = [None]
+    corpus = None
+    if runtime.is_main:
+        try:
+            corpus = load_corpus(config.data, announce=announce)
+            message = [("ok", corpus.name)]
+        except DataError as error:
+            message = [("error", str(error))]
+    dist.broadcast_object_list(message, src=0)
+    status, value = message[0]
+    if status == "error":
+        raise DataError(value)
+    return corpus if runtime.is_main else load_corpus(value)
+
+
+class StopSignals:
+    """The first SIGINT or SIGTERM asks the loop to stop after the step in flight (it then
+    checkpoints and exits); the same signal again acts as usual. Under torchrun a Ctrl-C
+    reaches the workers as SIGINT followed by SIGTERM, which therefore still only asks."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._request)
+        return self
+
+    def _request(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+        signal.signal(signum, self._previous[signum])
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    with path.open("a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop the records a resumed run will log again (those after its checkpoint)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    with atomic_write(path) as temporary:
+        temporary.write_text("".join(kept))
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def describe(config: TrainConfig, run: dict, run_dir: Path) -> str:
+    lines = [f"run directory: {run_dir}"]
+    lines += [f"  {name:<19}{value}" for name, value in {**asdict(config), **run}.items()]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def train(config: TrainConfig, run_dir: Path, resume: bool) -> int:
+    """Train as ``config`` says; returns the exit code (0, or 128 + signal number when
+    stopped by a signal)."""
+    runtime = start_runtime(config)
+    try:
+        return _train(config, run_dir, resume, runtime)
+    finally:
+        if runtime.distributed:
+            dist.destroy_process_group()
+
+
+def _train(config: TrainConfig, run_dir: Path, resume: bool, runtime: Runtime) -> int:
+    from tqdm.auto import tqdm
+
+    from native_sparse_attention.plotting import plot_run
+
+    device, is_main = runtime.device, runtime.is_main
+    log = tqdm.write if is_main else (lambda message: None)
+    plotting = importlib.util.find_spec("matplotlib") is not None
+    if not plotting:
+        log("matplotlib is not installed: no loss-curve PNG (pip install matplotlib)")
+    corpus = _load_corpus(config, runtime, log)
+    train_data, val_data = split_corpus(corpus.data, config.seq_len)
+
+    backend = attention_backend(config, device)
+    torch.manual_seed(config.seed)
+    model = build_model(config, backend).to(device)
+    optimizer = build_optimizer(model, config)
+    sampler = RandomOffsetSampler(train_data.numel(), config.seq_len, config.batch_size, config.seed, runtime.rank)
+    val_offsets = validation_offsets(val_data.numel(), config.seq_len, config.val_batches * config.batch_size)
+    val_offsets = val_offsets[runtime.rank::runtime.world_size]
+    prompt = val_data[:config.prime_len].long().to(device)
+
+    metrics_path, samples_path = run_dir / "metrics.jsonl", run_dir / "samples.txt"
+    start_step = 0
+    if resume:
+        checkpoint_file = latest_checkpoint(run_dir)
+        checkpoint = load_checkpoint(checkpoint_file)
+        start_step = checkpoint["step"]
+        if start_step >= config.steps:
+            raise UsageError(f"--resume: {checkpoint_file} is already at step {start_step}; "
+                             f"pass --steps greater than {start_step} to continue")
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        sampler.load_state_dict(checkpoint["sampler"])
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        if device.type == "cuda" and checkpoint["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(checkpoint["rng"]["cuda"], device)
+        log(f"resuming from {checkpoint_file} (step {start_step})")
+
+    run = dict(
+        corpus=corpus.name, corpus_bytes=corpus.data.numel(), device=str(device), attention_backend=backend,
+        world_size=runtime.world_size, num_parameters=sum(p.numel() for p in model.parameters()),
+        tokens_per_step=config.batch_size * config.grad_accum * config.seq_len * runtime.world_size,
+        torch=torch.__version__,
+    )
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps({**asdict(config), "run": run}, indent=2) + "\n")
+        if resume:
+            _truncate_metrics(metrics_path, start_step)
+        else:
+            metrics_path.write_text("")
+        print(describe(config, run, run_dir), flush=True)
+
+    step_model = model
+    if runtime.distributed:
+        step_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    no_sync = step_model.no_sync if runtime.distributed else None
+    if config.compile:
+        step_model = torch.compile(step_model)
+
+    def checkpoint_state(step: int, sampler_state: dict) -> dict:
+        cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return dict(
+            model=model.state_dict(), model_config=model.config, step=step, optimizer=optimizer.state_dict(),
+            sampler=sampler_state, rng=dict(torch=torch.get_rng_state(), cuda=cuda_rng),
+            train_config=asdict(config),
+        )
+
+    def save(step: int, sampler_state: dict) -> Path | None:
+        if not is_main:
+            return None
+        return save_checkpoint(run_dir, checkpoint_state(step, sampler_state), config.keep_checkpoints)
+
+    done, done_sampler_state, saved_step = start_step, sampler.state_dict(), start_step
+    tokens_per_step = run["tokens_per_step"]
+    window_tokens, window_seconds = 0, 0.0
+    progress = tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True,
+                    unit="step", desc=run_dir.name)
+    stop = StopSignals()
+    try:
+        with stop, progress:
+            for step in range(start_step + 1, config.steps + 1):
+                lr = learning_rate(step, config)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                started = time.perf_counter()
+                micro_batches = [
+                    windows(train_data, sampler.next_offsets(), config.seq_len).to(device, non_blocking=True)
+                    for _ in range(config.grad_accum)
+                ]
+                loss, grad_norm = train_step(step_model, optimizer, micro_batches, config.grad_clip, no_sync)
+                stats = torch.stack((loss, torch.tensor(float(stop.signum is not None), device=device)))
+                if runtime.distributed:
+                    dist.all_reduce(stats)
+                    stats[0] /= runtime.world_size
+                loss_value, stop_requested = stats[0].item(), stats[1].item() > 0
+                step_seconds = time.perf_counter() - started
+                window_seconds += step_seconds
+                window_tokens += tokens_per_step
+                done, done_sampler_state = step, sampler.state_dict()
+                last = step == config.steps or stop_requested
+
+                record = dict(step=step, loss=loss_value, bpb=loss_value / math.log(2), lr=lr,
+                              grad_norm=grad_norm.item())
+                if _due(step, config.val_every) or last:
+                    val_loss = evaluate(model, val_data, val_offsets, config, device)
+                    record.update(val_loss=val_loss, val_bpb=val_loss / math.log(2))
+                    log(f"step {step}: validation {record['val_bpb']:.4f} bits per byte "
+                        f"(train {record['bpb']:.4f})")
+                if _due(step, config.log_every) or "val_bpb" in record or last:
+                    record["tokens_per_s"] = window_tokens / window_seconds
+                    window_tokens, window_seconds = 0, 0.0
+                    if is_main:
+                        _append_jsonl(metrics_path, record)
+                progress.set_postfix(loss=f"{loss_value:.3f}", bpb=f"{record['bpb']:.3f}",
+                                     tok_s=f"{tokens_per_step / step_seconds:.0f}", refresh=False)
+                progress.update(1)
+                if is_main and _due(step, config.sample_every):
+                    text = generate_sample(model, prompt, config, seed=config.seed + step)
+                    prompt_text = bytes(prompt.tolist()).decode("utf-8", errors="replace")
+                    log(f"step {step} sample:\n{prompt_text}\u2502{text}")
+                    with samples_path.open("a") as file:
+                        file.write(f"=== step {step}\n{prompt_text}\u2502{text}\n")
+                if is_main and plotting and "val_bpb" in record:
+                    plot_run(run_dir)
+                if _due(step, config.checkpoint_every) or last:
+                    path = save(step, done_sampler_state)
+                    saved_step = step
+                    if path is not None and stop_requested:
+                        name = signal.Signals(stop.signum).name if stop.signum else "a signal on another rank"
+                        log(f"stopped by {name} after step {step}; saved {path}; continue with --resume")
+                if stop_requested:
+                    return 128 + (stop.signum or signal.SIGTERM)
+    except Exception:
+        if done > saved_step:
+            path = save(done, done_sampler_state)
+            if path is not None:
+                log(f"training failed after step {done}; saved {path}")
+        raise
+    if is_main:
+        print(f"done: {config.steps} steps; checkpoints in {run_dir / 'checkpoints'}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``train.py``'s entry point: returns the exit code."""
+    try:
+        config, run_dir, resume = resolve_config(argv)
+        return train(config, run_dir, resume)
+    except (UsageError, DataError) as error:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"train.py: error: {error}", file=sys.stderr)
+        return 2
