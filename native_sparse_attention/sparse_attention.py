@@ -9,10 +9,12 @@ sigmoid gates:
   ``selection_block_size`` tokens, ranked by the compressed branch's attention;
 - sliding window: attention over the last ``sliding_window_size`` tokens.
 
-On CPU (and whenever ``use_triton_kernel`` is off) every branch runs through the plain
-PyTorch reference in ``reference.py``; with ``use_triton_kernel=True`` on CUDA the
-compressed branch, the block selection and the selected + sliding branches run on Triton
-kernels.
+On CPU (and whenever neither fast path is chosen) every branch runs through the plain
+PyTorch reference in ``reference.py``. The CUDA fast paths run the compressed branch and
+the block selection on the Triton kernels of ``kernels/compressed.py`` (which never
+materialise the ``[n, n / stride]`` attention), the selected + sliding branches on the
+Triton selection kernel (``use_triton_kernel``) or FlexAttention (``use_flex_attention``),
+and mix the branches with one fused kernel (``kernels/gate_combine.py``).
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ class SparseAttention(nn.Module):
         strategy_combine_mlp: module mapping the normed input ``[b, n, dim]`` to the gate
             logits ``[b, n, 3 * heads]``; defaults to a linear layer.
         use_flex_attention: on CUDA run the selected and sliding branches through PyTorch
-            FlexAttention block masks (an alternative to ``use_triton_kernel``).
+            FlexAttention block masks (an alternative to ``use_triton_kernel``; the
+            compressed branch and the selection still run on the Triton kernels).
     """
 
     def __init__(
@@ -236,16 +239,15 @@ class SparseAttention(nn.Module):
                 raise TypeError(f"{name} must be an nn.Module or None, got {type(config[name]).__name__}")
         if config["use_triton_kernel"] and config["use_flex_attention"]:
             raise ValueError("use_triton_kernel and use_flex_attention are alternatives: set at most one")
+        if (config["use_triton_kernel"] or config["use_flex_attention"]) and config["dim_head"] > _KERNEL_MAX_DIM_HEAD:
+            option = "use_triton_kernel" if config["use_triton_kernel"] else "use_flex_attention"
+            raise ValueError(f"{option} supports dim_head up to {_KERNEL_MAX_DIM_HEAD}, got {config['dim_head']}")
         if config["use_triton_kernel"]:
             block = config["selection_block_size"]
             if block % _KERNEL_BLOCK_MULTIPLE or block > _KERNEL_MAX_BLOCK:
                 raise ValueError(
                     f"use_triton_kernel needs selection_block_size to be a multiple of "
                     f"{_KERNEL_BLOCK_MULTIPLE} up to {_KERNEL_MAX_BLOCK}, got {block}"
-                )
-            if config["dim_head"] > _KERNEL_MAX_DIM_HEAD:
-                raise ValueError(
-                    f"use_triton_kernel supports dim_head up to {_KERNEL_MAX_DIM_HEAD}, got {config['dim_head']}"
                 )
             if config["heads"] // config["kv_heads"] > _KERNEL_MAX_GROUP:
                 raise ValueError(
@@ -277,17 +279,17 @@ class SparseAttention(nn.Module):
         ck, cv = self._compress(k, v)
         rq, rk = self.rotary(q), self.rotary(k)
 
-        if self._use_kernels(x):
-            compressed_out, selected_out, sliding_out = self._kernel_branches(q, rq, rk, v, ck, cv)
-        elif self.use_flex_attention and x.is_cuda:
-            compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
-            selected_out, sliding_out = self._flex_branches(rq, rk, v, selection)
+        fast = self._use_fast_path(x)
+        if fast:
+            compressed_out, selection = self._kernel_compressed_branch(q, ck, cv)
+            branches = self._kernel_branches if self.use_triton_kernel else self._flex_branches
+            selected_out, sliding_out = branches(rq, rk, v, selection)
         else:
             compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
             selected_out = self._selected_branch(rq, rk, v, selection, q_offset=0)
             sliding_out, _ = sliding_window_attend(rq, rk, v, self.sliding_window_size, self.causal)
 
-        out = self._combine(x_normed, compressed_out, selected_out, sliding_out)
+        out = self._combine(x_normed, compressed_out, selected_out, sliding_out, fused=fast)
         if not return_cache:
             return out
         return out, self._prefill_cache(rk, v, k, ck, cv)
@@ -304,8 +306,8 @@ class SparseAttention(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
 
-    def _use_kernels(self, x: torch.Tensor) -> bool:
-        return self.use_triton_kernel and x.is_cuda
+    def _use_fast_path(self, x: torch.Tensor) -> bool:
+        return (self.use_triton_kernel or self.use_flex_attention) and x.is_cuda
 
     def _project(self, x_normed: torch.Tensor):
         """x_normed: [b, n, dim] -> q: [b, hq, n, d], k, v: [b, hk, n, d] (no rotary)."""
@@ -382,49 +384,61 @@ class SparseAttention(nn.Module):
         )
         return out
 
-    def _kernel_branches(self, q, rq, rk, v, ck, cv):
-        """CUDA fast path: compressed attention with fused block selection, then the selected
-        and sliding branches from one launch of the selection kernel."""
+    def _kernel_compressed_branch(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor):
+        """Fast path of the compressed branch and the block selection (Triton kernels).
+
+        q: [b, hq, n, d], ck, cv: [b, hk, nc, d] -> (out [b, hq, n, d], BlockSelection).
+        The selection's scores are differentiable, which ``use_diff_topk`` relies on.
+        """
         from native_sparse_attention.kernels.compressed import compressed_attend_and_select
-        from native_sparse_attention.attend import native_sparse_attend
 
         ck_all, cv_all = self._with_memory(ck, cv)
-        if self.use_diff_topk:
-            # The fused selection is not differentiable; diff top-k needs the probabilities.
-            compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
-        else:
-            compressed_out, _, selection = compressed_attend_and_select(
-                q, ck_all, cv_all, self.compress_block_size, self.compress_stride, self.num_mem,
-                self.selection_block_size, self.num_selected_blocks, causal=self.causal,
-                share_selection=self.share_selection,
-            )
+        out, _, selection = compressed_attend_and_select(
+            q, ck_all, cv_all, self.compress_block_size, self.compress_stride, self.num_mem,
+            self.selection_block_size, self.num_selected_blocks, causal=self.causal,
+            share_selection=self.share_selection,
+        )
         if self.recorder is not None:
             self._record(selected_indices=selection.indices, selected_mask=selection.mask)
-        selected_out, sliding_out = native_sparse_attend(
+        return out, selection
+
+    def _kernel_branches(self, rq, rk, v, selection: BlockSelection):
+        """Selected and sliding branches from one launch of the Triton selection kernel:
+        rq: [b, hq, n, d], rk, v: [b, hk, n, d] (any strides) -> two [b, hq, n, d]."""
+        from native_sparse_attention.attend import native_sparse_attend
+
+        return native_sparse_attend(
             rq, rk, v, self.selection_block_size, selection.indices, selection.mask,
             sel_scale=self._selection_scale(selection), include_block_causal=self.causal,
             return_sliding_window_out=True, sliding_window_size=self.sliding_window_size,
         )
-        return compressed_out, selected_out, sliding_out
 
     def _flex_branches(self, rq, rk, v, selection: BlockSelection):
         """Selected and sliding branches through FlexAttention: rq: [b, hq, n, d], rk, v: [b, hk, n, d]."""
         from native_sparse_attention.flex import flex_selected_and_sliding
 
-        if self.recorder is not None:
-            self._record(selected_indices=selection.indices, selected_mask=selection.mask)
         return flex_selected_and_sliding(
             rq, rk, v, self.selection_block_size, selection.indices, selection.mask,
             self.sliding_window_size, causal=self.causal, sel_scale=self._selection_scale(selection),
         )
 
-    def _combine(self, x_normed, compressed_out, selected_out, sliding_out) -> torch.Tensor:
-        """Gate and sum the branch outputs ([b, hq, n, d] each), merge heads, project."""
-        gate_compressed, gate_selected, gate_sliding = self.to_gates(x_normed)
+    def _combine(self, x_normed, compressed_out, selected_out, sliding_out, fused: bool = False) -> torch.Tensor:
+        """Gate and sum the branch outputs ([b, hq, n, d] each), merge heads, project.
+
+        ``fused`` does it in one Triton kernel that writes the merged heads directly.
+        """
+        gates = self.to_gates(x_normed).squeeze(-1)  # [3, b, h, n]
         if self.recorder is not None:
-            self._record(gates=torch.stack((gate_compressed, gate_selected, gate_sliding)).squeeze(-1))
-        out = gate_compressed * compressed_out + gate_selected * selected_out + gate_sliding * sliding_out
-        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+            self._record(gates=gates)
+        if fused:
+            from native_sparse_attention.kernels.gate_combine import gated_sum
+
+            merged = gated_sum(gates, compressed_out, selected_out, sliding_out)
+        else:
+            gate_compressed, gate_selected, gate_sliding = gates.unsqueeze(-1)
+            out = gate_compressed * compressed_out + gate_selected * selected_out + gate_sliding * sliding_out
+            merged = rearrange(out, "b h n d -> b n (h d)")
+        return self.to_out(merged)
 
     def _record(self, **tensors: torch.Tensor) -> None:
         self.recorder.update({name: t.detach() for name, t in tensors.items()})

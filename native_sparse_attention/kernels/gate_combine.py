@@ -1,0 +1,192 @@
+"""Triton kernels that mix NSA's three branch outputs by their gates and merge the heads.
+
+Notation
+--------
+Z: batch size, H: heads, N: tokens, D: head dim (HEAD_DIM), padded to the power of two
+BLOCK_D; BLOCK_N: tokens per program.
+G: gates ``[3, Z, H, N]`` (any strides), one per branch (compressed, selected, sliding).
+B0, B1, B2: branch outputs ``[Z, H, N, D]`` (any strides, unit stride along D).
+OUT: ``[Z, N, H * D]`` contiguous, the layout the output projection reads, so heads are
+merged without a transpose copy.
+
+Forward:  ``OUT[z, n, h * D + d] = sum_k G[k, z, h, n] * Bk[z, h, n, d]``, in float32.
+Backward: ``dBk = G[k] * dOUT`` and ``dG[k] = sum_d dOUT * Bk``, one pass over dOUT.
+
+Against the eager formula (three products, two sums and a head-merging copy, each a
+full-size tensor) this reads each branch once and writes the output once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gated_sum"]
+
+
+@triton.jit
+def _rows(z, h, n_start, stride_z, stride_h, stride_n, N,
+          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """int64 offsets and mask of rows ``n_start .. n_start + BLOCK_N`` of head ``[z, h]``."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h
+    offsets = head + offs_n[:, None].to(tl.int64) * stride_n + offs_d[None, :]
+    return offsets, (offs_n[:, None] < N) & (offs_d[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def _gate_pointers(G, z, h, n_start, stride_gk, stride_gz, stride_gh, stride_gn, N,
+                   BLOCK_N: tl.constexpr):
+    """Pointers to the compressed branch's gates of the program's rows, their mask, and
+    the stride to the next branch's."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    base = G + z.to(tl.int64) * stride_gz + h.to(tl.int64) * stride_gh
+    return base + offs_n.to(tl.int64) * stride_gn, offs_n < N, stride_gk
+
+
+@triton.jit
+def _gated_sum_fwd_kernel(
+    G, B0, B1, B2, OUT,
+    stride_gk, stride_gz, stride_gh, stride_gn,
+    stride_0z, stride_0h, stride_0n,
+    stride_1z, stride_1h, stride_1n,
+    stride_2z, stride_2h, stride_2n,
+    H, N,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    zh = tl.program_id(0)
+    z, h = zh // H, zh % H
+    n_start = tl.program_id(1) * BLOCK_N
+    g_ptrs, g_mask, g_next = _gate_pointers(G, z, h, n_start, stride_gk, stride_gz, stride_gh,
+                                            stride_gn, N, BLOCK_N)
+    o0, mask = _rows(z, h, n_start, stride_0z, stride_0h, stride_0n, N, BLOCK_N, BLOCK_D,
+                     HEAD_DIM)
+    o1, _ = _rows(z, h, n_start, stride_1z, stride_1h, stride_1n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    o2, _ = _rows(z, h, n_start, stride_2z, stride_2h, stride_2n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    g0 = tl.load(g_ptrs, mask=g_mask).to(tl.float32)
+    g1 = tl.load(g_ptrs + g_next, mask=g_mask).to(tl.float32)
+    g2 = tl.load(g_ptrs + 2 * g_next, mask=g_mask).to(tl.float32)
+    out = (g0[:, None] * tl.load(B0 + o0, mask=mask).to(tl.float32)
+           + g1[:, None] * tl.load(B1 + o1, mask=mask).to(tl.float32)
+           + g2[:, None] * tl.load(B2 + o2, mask=mask).to(tl.float32))
+    # OUT is [Z, N, H, D]: head h of token n at (z * N + n) * H * D + h * HEAD_DIM.
+    o_out, _ = _rows(z, h, n_start, N * H * HEAD_DIM, HEAD_DIM, H * HEAD_DIM, N, BLOCK_N,
+                     BLOCK_D, HEAD_DIM)
+    tl.store(OUT + o_out, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _branch_grad(G_k, B_k, DB_k, dout, mask):
+    """Writes ``dB_k = g_k * dOUT`` and returns ``dG_k = rowsum(dOUT * B_k)``."""
+    tl.store(DB_k, (G_k[:, None] * dout).to(DB_k.dtype.element_ty), mask=mask)
+    return tl.sum(dout * tl.load(B_k, mask=mask).to(tl.float32), 1)
+
+
+@triton.jit
+def _gated_sum_bwd_kernel(
+    G, B0, B1, B2, DOUT, DB0, DB1, DB2, DG,
+    stride_gk, stride_gz, stride_gh, stride_gn,
+    stride_0z, stride_0h, stride_0n,
+    stride_1z, stride_1h, stride_1n,
+    stride_2z, stride_2h, stride_2n,
+    stride_dz, stride_dn,
+    H, N,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # DB0, DB1, DB2: [Z, H, N, D] contiguous; DG: [3, Z, H, N] float32 contiguous.
+    zh = tl.program_id(0)
+    z, h = zh // H, zh % H
+    n_start = tl.program_id(1) * BLOCK_N
+    g_ptrs, g_mask, g_next = _gate_pointers(G, z, h, n_start, stride_gk, stride_gz, stride_gh,
+                                            stride_gn, N, BLOCK_N)
+    o_dout, mask = _rows(z, h, n_start, stride_dz, HEAD_DIM, stride_dn, N, BLOCK_N, BLOCK_D,
+                         HEAD_DIM)
+    dout = tl.load(DOUT + o_dout, mask=mask).to(tl.float32)
+    o_grad, _ = _rows(z, h, n_start, H * N * HEAD_DIM, N * HEAD_DIM, HEAD_DIM, N, BLOCK_N,
+                      BLOCK_D, HEAD_DIM)
+    o0, _ = _rows(z, h, n_start, stride_0z, stride_0h, stride_0n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    o1, _ = _rows(z, h, n_start, stride_1z, stride_1h, stride_1n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    o2, _ = _rows(z, h, n_start, stride_2z, stride_2h, stride_2n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    dg0 = _branch_grad(tl.load(g_ptrs, mask=g_mask).to(tl.float32), B0 + o0, DB0 + o_grad,
+                       dout, mask)
+    dg1 = _branch_grad(tl.load(g_ptrs + g_next, mask=g_mask).to(tl.float32), B1 + o1,
+                       DB1 + o_grad, dout, mask)
+    dg2 = _branch_grad(tl.load(g_ptrs + 2 * g_next, mask=g_mask).to(tl.float32), B2 + o2,
+                       DB2 + o_grad, dout, mask)
+    rows = n_start + tl.arange(0, BLOCK_N)
+    dg_ptrs = DG + zh.to(tl.int64) * N + rows
+    branch_stride = tl.num_programs(0).to(tl.int64) * N
+    tl.store(dg_ptrs, dg0, mask=rows < N)
+    tl.store(dg_ptrs + branch_stride, dg1, mask=rows < N)
+    tl.store(dg_ptrs + 2 * branch_stride, dg2, mask=rows < N)
+
+
+_BLOCK_N = 64
+
+
+def _block_d(head_dim: int) -> int:
+    return triton.next_power_of_2(head_dim)
+
+
+def _bhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _GatedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gates, branch0, branch1, branch2):
+        b, h, n, d = branch0.shape
+        out_dtype = torch.promote_types(gates.dtype, branch0.dtype)
+        out = torch.empty(b, n, h * d, dtype=out_dtype, device=branch0.device)
+        grid = (b * h, triton.cdiv(n, _BLOCK_N))
+        _gated_sum_fwd_kernel[grid](
+            gates, branch0, branch1, branch2, out,
+            *gates.stride(),
+            *_bhn_strides(branch0), *_bhn_strides(branch1), *_bhn_strides(branch2),
+            h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d),
+        )
+        ctx.save_for_backward(gates, branch0, branch1, branch2)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gates, *branches = ctx.saved_tensors
+        b, h, n, d = branches[0].shape
+        dout = dout.contiguous()
+        grads = [torch.empty(b, h, n, d, dtype=t.dtype, device=t.device) for t in branches]
+        dgates = torch.empty(3, b, h, n, dtype=torch.float32, device=dout.device)
+        grid = (b * h, triton.cdiv(n, _BLOCK_N))
+        _gated_sum_bwd_kernel[grid](
+            gates, *branches, dout, *grads, dgates,
+            *gates.stride(),
+            *(stride for t in branches for stride in _bhn_strides(t)),
+            dout.stride(0), dout.stride(1),
+            h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d),
+        )
+        return (dgates.to(gates.dtype), *grads)
+
+
+def gated_sum(gates: torch.Tensor, compressed: torch.Tensor, selected: torch.Tensor,
+              sliding: torch.Tensor) -> torch.Tensor:
+    """``sum_k gates[k] * branch_k`` with the heads merged: the layer's gate combination.
+
+    gates: [3, b, h, n] (compressed, selected, sliding; any strides); compressed, selected,
+    sliding: [b, h, n, d] (any strides). Returns [b, n, h * d] in the promoted dtype of
+    the gates and the branches, computed in float32; differentiable in all four inputs.
+    Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
+    """
+    branches = tuple(_unit_stride_rows(t) for t in (compressed, selected, sliding))
+    if gates.shape != (3, *branches[0].shape[:3]):
+        raise ValueError(f"gates must be [3, b, h, n] = [3, {', '.join(map(str, branches[0].shape[:3]))}], "
+                         f"got {tuple(gates.shape)}")
+    for name, t in zip(("selected", "sliding"), branches[1:]):
+        if t.shape != branches[0].shape or t.dtype != branches[0].dtype:
+            raise ValueError(f"{name} must match compressed {tuple(branches[0].shape)} "
+                             f"{branches[0].dtype}, got {tuple(t.shape)} {t.dtype}")
+    return _GatedSum.apply(gates, *branches)
