@@ -37,13 +37,35 @@ def _rows(z, h, n_start, stride_z, stride_h, stride_n, N,
 
 
 @triton.jit
-def _gate_pointers(G, z, h, n_start, stride_gk, stride_gz, stride_gh, stride_gn, N,
-                   BLOCK_N: tl.constexpr):
-    """Pointers to the compressed branch's gates of the program's rows, their mask, and
-    the stride to the next branch's."""
+def _program_tile(H, BLOCK_N: tl.constexpr):
+    """(z * H + h, z, h, first token) of this program."""
+    zh = tl.program_id(0)
+    return zh, zh // H, zh % H, tl.program_id(1) * BLOCK_N
+
+
+@triton.jit
+def _load_gates(G, z, h, n_start, stride_gk, stride_gz, stride_gh, stride_gn, N,
+                BLOCK_N: tl.constexpr):
+    """The three branches' gates of the program's tokens, in float32."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
-    base = G + z.to(tl.int64) * stride_gz + h.to(tl.int64) * stride_gh
-    return base + offs_n.to(tl.int64) * stride_gn, offs_n < N, stride_gk
+    ptrs = G + z.to(tl.int64) * stride_gz + h.to(tl.int64) * stride_gh + offs_n.to(tl.int64) * stride_gn
+    mask = offs_n < N
+    return (tl.load(ptrs, mask=mask).to(tl.float32),
+            tl.load(ptrs + stride_gk, mask=mask).to(tl.float32),
+            tl.load(ptrs + 2 * stride_gk, mask=mask).to(tl.float32))
+
+
+@triton.jit
+def _branch_offsets(z, h, n_start,
+                    stride_0z, stride_0h, stride_0n,
+                    stride_1z, stride_1h, stride_1n,
+                    stride_2z, stride_2h, stride_2n,
+                    N, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Offsets of the program's rows in the three branch outputs, and their mask."""
+    o0, mask = _rows(z, h, n_start, stride_0z, stride_0h, stride_0n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    o1, _ = _rows(z, h, n_start, stride_1z, stride_1h, stride_1n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    o2, _ = _rows(z, h, n_start, stride_2z, stride_2h, stride_2n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    return o0, o1, o2, mask
 
 
 @triton.jit
@@ -56,18 +78,12 @@ def _gated_sum_fwd_kernel(
     H, N,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    zh = tl.program_id(0)
-    z, h = zh // H, zh % H
-    n_start = tl.program_id(1) * BLOCK_N
-    g_ptrs, g_mask, g_next = _gate_pointers(G, z, h, n_start, stride_gk, stride_gz, stride_gh,
-                                            stride_gn, N, BLOCK_N)
-    o0, mask = _rows(z, h, n_start, stride_0z, stride_0h, stride_0n, N, BLOCK_N, BLOCK_D,
-                     HEAD_DIM)
-    o1, _ = _rows(z, h, n_start, stride_1z, stride_1h, stride_1n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-    o2, _ = _rows(z, h, n_start, stride_2z, stride_2h, stride_2n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-    g0 = tl.load(g_ptrs, mask=g_mask).to(tl.float32)
-    g1 = tl.load(g_ptrs + g_next, mask=g_mask).to(tl.float32)
-    g2 = tl.load(g_ptrs + 2 * g_next, mask=g_mask).to(tl.float32)
+    _, z, h, n_start = _program_tile(H, BLOCK_N)
+    g0, g1, g2 = _load_gates(G, z, h, n_start, stride_gk, stride_gz, stride_gh, stride_gn, N,
+                             BLOCK_N)
+    o0, o1, o2, mask = _branch_offsets(z, h, n_start, stride_0z, stride_0h, stride_0n,
+                                       stride_1z, stride_1h, stride_1n, stride_2z, stride_2h,
+                                       stride_2n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
     out = (g0[:, None] * tl.load(B0 + o0, mask=mask).to(tl.float32)
            + g1[:, None] * tl.load(B1 + o1, mask=mask).to(tl.float32)
            + g2[:, None] * tl.load(B2 + o2, mask=mask).to(tl.float32))
@@ -78,9 +94,9 @@ def _gated_sum_fwd_kernel(
 
 
 @triton.jit
-def _branch_grad(G_k, B_k, DB_k, dout, mask):
+def _branch_grad(g_k, B_k, DB_k, dout, mask):
     """Writes ``dB_k = g_k * dOUT`` and returns ``dG_k = rowsum(dOUT * B_k)``."""
-    tl.store(DB_k, (G_k[:, None] * dout).to(DB_k.dtype.element_ty), mask=mask)
+    tl.store(DB_k, (g_k[:, None] * dout).to(DB_k.dtype.element_ty), mask=mask)
     return tl.sum(dout * tl.load(B_k, mask=mask).to(tl.float32), 1)
 
 
@@ -96,25 +112,20 @@ def _gated_sum_bwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # DB0, DB1, DB2: [Z, H, N, D] contiguous; DG: [3, Z, H, N] float32 contiguous.
-    zh = tl.program_id(0)
-    z, h = zh // H, zh % H
-    n_start = tl.program_id(1) * BLOCK_N
-    g_ptrs, g_mask, g_next = _gate_pointers(G, z, h, n_start, stride_gk, stride_gz, stride_gh,
-                                            stride_gn, N, BLOCK_N)
-    o_dout, mask = _rows(z, h, n_start, stride_dz, HEAD_DIM, stride_dn, N, BLOCK_N, BLOCK_D,
-                         HEAD_DIM)
+    zh, z, h, n_start = _program_tile(H, BLOCK_N)
+    g0, g1, g2 = _load_gates(G, z, h, n_start, stride_gk, stride_gz, stride_gh, stride_gn, N,
+                             BLOCK_N)
+    o0, o1, o2, mask = _branch_offsets(z, h, n_start, stride_0z, stride_0h, stride_0n,
+                                       stride_1z, stride_1h, stride_1n, stride_2z, stride_2h,
+                                       stride_2n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    o_dout, _ = _rows(z, h, n_start, stride_dz, HEAD_DIM, stride_dn, N, BLOCK_N, BLOCK_D,
+                      HEAD_DIM)
     dout = tl.load(DOUT + o_dout, mask=mask).to(tl.float32)
     o_grad, _ = _rows(z, h, n_start, H * N * HEAD_DIM, N * HEAD_DIM, HEAD_DIM, N, BLOCK_N,
                       BLOCK_D, HEAD_DIM)
-    o0, _ = _rows(z, h, n_start, stride_0z, stride_0h, stride_0n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-    o1, _ = _rows(z, h, n_start, stride_1z, stride_1h, stride_1n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-    o2, _ = _rows(z, h, n_start, stride_2z, stride_2h, stride_2n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-    dg0 = _branch_grad(tl.load(g_ptrs, mask=g_mask).to(tl.float32), B0 + o0, DB0 + o_grad,
-                       dout, mask)
-    dg1 = _branch_grad(tl.load(g_ptrs + g_next, mask=g_mask).to(tl.float32), B1 + o1,
-                       DB1 + o_grad, dout, mask)
-    dg2 = _branch_grad(tl.load(g_ptrs + 2 * g_next, mask=g_mask).to(tl.float32), B2 + o2,
-                       DB2 + o_grad, dout, mask)
+    dg0 = _branch_grad(g0, B0 + o0, DB0 + o_grad, dout, mask)
+    dg1 = _branch_grad(g1, B1 + o1, DB1 + o_grad, dout, mask)
+    dg2 = _branch_grad(g2, B2 + o2, DB2 + o_grad, dout, mask)
     rows = n_start + tl.arange(0, BLOCK_N)
     dg_ptrs = DG + zh.to(tl.int64) * N + rows
     branch_stride = tl.num_programs(0).to(tl.int64) * N
