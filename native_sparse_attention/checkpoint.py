@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "atomic_write",
     "checkpoint_path",
+    "checkpoint_step",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -37,13 +38,21 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:08d}.pt"
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step in a checkpoint's file name."""
+    match = _NAME.fullmatch(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not named like a checkpoint (step-XXXXXXXX.pt)")
+    return int(match.group(1))
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """The checkpoints of a run, oldest first."""
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         return []
     found = [path for path in folder.iterdir() if _NAME.fullmatch(path.name)]
-    return sorted(found, key=lambda path: int(_NAME.fullmatch(path.name).group(1)))
+    return sorted(found, key=checkpoint_step)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

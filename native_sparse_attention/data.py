@@ -20,7 +20,7 @@ import sysconfig
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.error import URLError
+from urllib.error import HTTPError, URLError
 from urllib.request import urlopen
 
 import torch
@@ -152,6 +152,8 @@ def _fetch(url: str, timeout: float) -> bytes:
                 while chunk := response.read(_CHUNK):
                     buffer += chunk
                     progress.update(len(chunk))
+    except HTTPError as error:
+        raise DownloadError(f"could not download {url}: HTTP {error.code} {error.reason}") from None
     except URLError as error:
         raise DownloadError(f"could not download {url}: {error.reason}") from None
     except (OSError, ValueError) as error:
@@ -171,14 +173,15 @@ def load_corpus(spec: str | None, data_dir: str | Path = "data", announce=print)
       in one line through ``announce``);
     - ``"enwik8"``: ``data_dir/enwik8.gz``, downloaded when missing; no fallback;
     - ``"stdlib"``: the standard-library source text;
-    - anything else: a path to a file of bytes, plain or gzip-compressed.
+    - anything else: a path to a file of bytes, plain or gzip-compressed (named by its
+      absolute path).
 
     Raises ``DataError`` when the corpus cannot be read.
     """
     if spec == STDLIB:
         return Corpus(STDLIB, _as_tensor(stdlib_corpus()))
     if spec not in (None, ENWIK8):
-        return Corpus(str(spec), _as_tensor(read_bytes(spec)))
+        return Corpus(str(Path(spec).absolute()), _as_tensor(read_bytes(spec)))
     path = Path(data_dir) / "enwik8.gz"
     if not path.exists():
         try:

@@ -41,7 +41,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from native_sparse_attention.checkpoint import atomic_write, latest_checkpoint, load_checkpoint, save_checkpoint
+from native_sparse_attention.checkpoint import (
+    atomic_write,
+    checkpoint_step,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from native_sparse_attention.data import (
     DataError,
     RandomOffsetSampler,
@@ -217,6 +223,9 @@ def resolve_config(argv: list[str] | None) -> tuple[TrainConfig, Path, bool]:
             raise UsageError(f"--{name.replace('_', '-')} {flags[name]} contradicts the run being resumed "
                              f"({getattr(config, name)}): a resumed run keeps its architecture")
         config = replace(config, **{name: value for name, value in flags.items() if name != "preset"})
+        if checkpoint_step(checkpoint) >= config.steps:
+            raise UsageError(f"--resume: {checkpoint} is already at step {checkpoint_step(checkpoint)}; "
+                             f"pass --steps greater than that to continue")
     else:
         if checkpoint is not None:
             raise UsageError(f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
@@ -479,6 +488,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, runtime: Runtime) -
     if not plotting:
         log("matplotlib is not installed: no loss-curve PNG (pip install matplotlib)")
     corpus = _load_corpus(config, runtime, log)
+    config = replace(config, data=corpus.name)  # a resumed run reads the same bytes
     train_data, val_data = split_corpus(corpus.data, config.seq_len)
 
     backend = attention_backend(config, device)
@@ -496,9 +506,6 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, runtime: Runtime) -
         checkpoint_file = latest_checkpoint(run_dir)
         checkpoint = load_checkpoint(checkpoint_file)
         start_step = checkpoint["step"]
-        if start_step >= config.steps:
-            raise UsageError(f"--resume: {checkpoint_file} is already at step {start_step}; "
-                             f"pass --steps greater than {start_step} to continue")
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         sampler.load_state_dict(checkpoint["sampler"])
