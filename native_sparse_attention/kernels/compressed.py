@@ -561,20 +561,33 @@ class _Geometry:
 
 
 @dataclass(frozen=True)
-class _Tiles:
+class _Launch:
+    """Tiles and launch options of one kernel: ``block_m`` query rows, ``block_n`` keys
+    (BLOCK_C, the compressed keys of a scoring tile, for the selection)."""
+
     block_m: int
     block_n: int
-    block_c: int
-    block_s: int
     num_warps: int
     num_stages: int
 
 
-def _tiles(device: torch.device) -> _Tiles:
+# Per kernel on CUDA, from timings of the layer configuration (d = 64, 16 heads per group)
+# on an H100.
+_CUDA_LAUNCH = {
+    "forward": _Launch(64, 64, 4, 2),
+    "backward_dq": _Launch(64, 64, 4, 2),
+    "backward_dkdv": _Launch(64, 64, 4, 2),
+    "select": _Launch(64, 64, 4, 2),
+}
+# Selection blocks scored per chunk, padded (BLOCK_S).
+_SELECTION_LANES = 16
+
+
+def _launch(kernel: str, device: torch.device) -> _Launch:
     if device.type == "cuda":
-        return _Tiles(block_m=64, block_n=64, block_c=64, block_s=16, num_warps=4, num_stages=2)
+        return _CUDA_LAUNCH[kernel]
     # Interpreter: small tiles so that short test sequences still span several tiles.
-    return _Tiles(block_m=16, block_n=16, block_c=16, block_s=16, num_warps=1, num_stages=1)
+    return _Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
 
 
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -596,11 +609,16 @@ def _bhm_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _launch_meta(tiles: _Launch) -> dict:
+    return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages)
+
+
 def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [b, hq, n, d], ck, cv: [b, hk, N, d] -> (out [b, hq, n, d], lse [b, hq, n] fp32)."""
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
-    tiles = _tiles(q.device)
+    tiles = _launch("forward", q.device)
     out = _allocate((b, hq, n, d), q.dtype, q.device)
     lse = _allocate((b, hq, n), torch.float32, q.device)
     grid = (b * hq, triton.cdiv(n, tiles.block_m))
@@ -609,9 +627,8 @@ def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.T
         *_bhm_strides(q), *_bhm_strides(ck), *_bhm_strides(cv), *_bhm_strides(out),
         hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
         geo.scale * LOG2E,
-        GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=_block_d(d),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=_block_d(d),
+        **_launch_meta(tiles),
     )
     return out, lse
 
@@ -625,14 +642,13 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     """
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
-    tiles = _tiles(q.device)
+    dq_tiles, dkdv_tiles = _launch("backward_dq", q.device), _launch("backward_dkdv", q.device)
     block_d = _block_d(d)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, num_warps=tiles.num_warps)
 
     delta = _allocate((b, hq, n), torch.float32, q.device)
-    _output_grad_dot_kernel[(b * hq, triton.cdiv(n, tiles.block_m))](
+    _output_grad_dot_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
         out, dout, delta, *_bhm_strides(out), *_bhm_strides(dout), hq, n,
-        BLOCK_M=tiles.block_m, **common,
+        HEAD_DIM=d, BLOCK_M=dq_tiles.block_m, BLOCK_D=block_d,
     )
     has_score_grad = score_grad is not None
     if has_score_grad:
@@ -648,28 +664,29 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     )
     geometry = (hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
                 geo.selection_block_size, geo.scale * LOG2E, geo.scale)
-    meta = dict(GQA_SHARED_HEADS=hq // hk, IS_CAUSAL=geo.causal, BLOCK_M=tiles.block_m,
-                BLOCK_N=tiles.block_n, num_stages=tiles.num_stages, **selection_meta, **common)
+    meta = dict(GQA_SHARED_HEADS=hq // hk, IS_CAUSAL=geo.causal, HEAD_DIM=d, BLOCK_D=block_d,
+                **selection_meta)
 
     # dQ first: with score gradients it completes delta, which dK / dV read.
     dq = _allocate((b, hq, n, d), q.dtype, q.device)
-    _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, tiles.block_m))](
+    _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
         q, ck, cv, dout, lse, delta, *selection, dq, *args, *_bhm_strides(dq), *geometry,
-        **meta,
+        **meta, **_launch_meta(dq_tiles),
     )
     # Per query head partials, summed over each group below: no atomics, deterministic.
     dk_part = _allocate((b, hq, num_keys, d), torch.float32, q.device)
     dv_part = _allocate((b, hq, num_keys, d), torch.float32, q.device)
     if num_keys > 0:
-        _attention_bwd_dkdv_kernel[(b * hq, triton.cdiv(num_keys, tiles.block_n))](
-            q, ck, cv, dout, lse, delta, *selection, dk_part, dv_part, *args, *geometry, **meta,
+        _attention_bwd_dkdv_kernel[(b * hq, triton.cdiv(num_keys, dkdv_tiles.block_n))](
+            q, ck, cv, dout, lse, delta, *selection, dk_part, dv_part, *args, *geometry,
+            **meta, **_launch_meta(dkdv_tiles),
         )
     dck = dk_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(ck.dtype)
     dcv = dv_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(cv.dtype)
     return dq, dck, dcv
 
 
-def _chunk_layout(compress_block_size, compress_stride, selection_block_size, tiles: _Tiles):
+def _chunk_layout(compress_block_size, compress_stride, selection_block_size, block_c: int):
     """(S_STEP, NUM_C_TILES): selection blocks per chunk and compressed-key tiles that
     cover the compressed keys overlapping them, chosen to waste as few lanes as possible."""
 
@@ -677,8 +694,8 @@ def _chunk_layout(compress_block_size, compress_stride, selection_block_size, ti
         # Upper bound on the compressed keys overlapping num_blocks consecutive blocks.
         return (num_blocks * selection_block_size + compress_block_size - 1) // compress_stride + 1
 
-    num_c_tiles = math.ceil(span(1) / tiles.block_c)
-    s_step = max(s for s in range(1, tiles.block_s + 1) if span(s) <= num_c_tiles * tiles.block_c)
+    num_c_tiles = math.ceil(span(1) / block_c)
+    s_step = max(s for s in range(1, _SELECTION_LANES + 1) if span(s) <= num_c_tiles * block_c)
     return s_step, num_c_tiles
 
 
@@ -697,9 +714,9 @@ def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
     scores = _allocate(shape, torch.float32, q.device)
     if geo.num_selected == 0:
         return BlockSelection(indices, mask, scores)
-    tiles = _tiles(q.device)
+    tiles = _launch("select", q.device)
     s_step, num_c_tiles = _chunk_layout(
-        geo.compress_block_size, geo.compress_stride, geo.selection_block_size, tiles
+        geo.compress_block_size, geo.compress_stride, geo.selection_block_size, tiles.block_n
     )
     grid = (b * hs, triton.cdiv(n, tiles.block_m))
     _select_blocks_kernel[grid](
@@ -711,7 +728,7 @@ def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
         GQA_SHARED_HEADS=hq // hk, HEADS_PER_SELECTION=hq // hs, HEAD_DIM=d,
         IS_CAUSAL=geo.causal, TOPN=geo.num_selected,
         TOPN_PAD=triton.next_power_of_2(geo.num_selected),
-        BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_c, BLOCK_S=tiles.block_s,
+        BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_n, BLOCK_S=_SELECTION_LANES,
         S_STEP=s_step, NUM_C_TILES=num_c_tiles, BLOCK_D=_block_d(d),
         SPLIT_HALF=q.dtype != torch.float32,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

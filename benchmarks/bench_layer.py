@@ -1,0 +1,254 @@
+"""The whole NSA layer against a dense SDPA layer: forward, forward + backward, peak memory.
+
+Configuration (the one the layer issue measured the popular package on): dim 2048, 32
+query heads on 2 kv heads of dim 64, sliding window 512, compression blocks of 32 every
+16 tokens, selection blocks of 64, 16 selected, causal, bf16 autocast, batch 1; the NSA
+layer runs its Triton path (``use_triton_kernel=True``), the dense layer is
+``FullAttention`` (SDPA, flash) with the same projections and rotary embeddings.
+
+Timings are CUDA-event medians (``triton.testing.do_bench``) of a training step's
+forward (autograd on) and of forward + backward with an fp32 input that requires grad.
+Peak memory is ``torch.cuda.max_memory_allocated`` over one forward + backward, counted
+from a reset after the layer, its input and the output gradient are allocated.
+
+    python benchmarks/bench_layer.py                 # table + docs/benchmarks.md "layer"
+    python benchmarks/bench_layer.py --profile 65536 --profile-out prof.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import environment_line, markdown_table, median_ms, write_section  # noqa: E402
+from native_sparse_attention import FullAttention, SparseAttention  # noqa: E402
+
+DIM, HEADS, KV_HEADS, DIM_HEAD = 2048, 32, 2, 64
+NSA_OPTIONS = dict(
+    sliding_window_size=512, compress_block_size=32, compress_block_sliding_stride=16,
+    selection_block_size=64, num_selected_blocks=16, causal=True, use_triton_kernel=True,
+)
+SEQ_LENS = (4096, 8192, 16384, 32768, 65536)
+GIB = 2**30
+
+# The issue's measurements of the dense layer and of the popular native-sparse-attention-pytorch
+# package's layer on one H100 (torch 2.11, triton 3.6): n -> (fwd ms, fwd+bwd ms, peak GB).
+ISSUE_DENSE = {4096: (1.41, 2.93, 0.68), 16384: (4.46, 14.0, 1.5)}
+ISSUE_POPULAR_TRITON = {4096: (5.76, 29.6, 3.0), 16384: (30.1, 134.8, 12.8)}
+ISSUE_POPULAR_PYTORCH = {4096: ("12.1", "38.4", "9.9"), 16384: ("49.1", "out of memory (80 GB)", "")}
+
+
+@dataclass
+class Measurement:
+    fwd_ms: float | None = None
+    step_ms: float | None = None
+    peak_gib: float | None = None
+    error: str | None = None
+
+
+def build(kind: str) -> torch.nn.Module:
+    if kind == "nsa":
+        layer = SparseAttention(DIM, DIM_HEAD, HEADS, kv_heads=KV_HEADS, **NSA_OPTIONS)
+    else:
+        layer = FullAttention(DIM, DIM_HEAD, HEADS, kv_heads=KV_HEADS, causal=True)
+    return layer.cuda()
+
+
+def step_fns(layer, x, grad_out):
+    def forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return layer(x)
+
+    def forward_backward():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        forward().backward(grad_out)
+
+    return forward, forward_backward
+
+
+def measure(kind: str, n: int) -> Measurement:
+    result = Measurement()
+    layer = x = grad_out = None
+    try:
+        torch.manual_seed(0)
+        layer = build(kind)
+        x = torch.randn(1, n, DIM, device="cuda", requires_grad=True)
+        grad_out = torch.randn(1, n, DIM, device="cuda")
+        forward, forward_backward = step_fns(layer, x, grad_out)
+        forward_backward()  # compile kernels, warm the allocator
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        forward_backward()
+        torch.cuda.synchronize()
+        result.peak_gib = torch.cuda.max_memory_allocated() / GIB
+        result.fwd_ms = median_ms(forward)
+        result.step_ms = median_ms(forward_backward)
+    except torch.OutOfMemoryError:
+        result.error = "OOM"
+    finally:
+        del layer, x, grad_out
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+def profile(n: int, path: Path | None) -> str:
+    """CUDA kernel times of one NSA forward + backward at length n, grouped and in full."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.manual_seed(0)
+    layer = build("nsa")
+    x = torch.randn(1, n, DIM, device="cuda", requires_grad=True)
+    grad_out = torch.randn(1, n, DIM, device="cuda")
+    _, forward_backward = step_fns(layer, x, grad_out)
+    for _ in range(2):
+        forward_backward()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        forward_backward()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total_us = sum(e.device_time_total for e in events)
+    groups: dict[str, float] = {}
+    for event in events:
+        group = _kernel_group(event.key)
+        groups[group] = groups.get(group, 0.0) + event.device_time_total
+    rows = [[group, f"{us / 1e3:.2f}", f"{100 * us / total_us:.0f}%"]
+            for group, us in sorted(groups.items(), key=lambda item: -item[1])]
+    summary = (f"NSA layer fwd+bwd at n = {n}: {total_us / 1e3:.1f} ms of CUDA kernel time\n\n"
+               + markdown_table(["kernels", "ms", "share"], rows))
+    if path is not None:
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
+        path.write_text(summary + "\n\n" + table + "\n")
+    return summary
+
+
+_GROUPS = (
+    ("compressed attention + selection (kernels/compressed.py)",
+     ("_attention_fwd_kernel", "_attention_bwd", "_output_grad_dot_kernel", "_select_blocks_kernel")),
+    ("selected + sliding attention (kernels/selection.py)",
+     ("_fwd_kernel", "_bwd_kernel", "_sliding_dkv_kernel")),
+    ("gate combination (kernels/gate_combine.py)", ("_gated_sum",)),
+    ("matmuls (projections, compression MLPs)", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
+)
+
+
+def _kernel_group(name: str) -> str:
+    for group, keys in _GROUPS:
+        if any(key in name for key in keys):
+            return group
+    return "elementwise, reductions, copies (rotary, norms, casts, ...)"
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def report(results: dict[int, dict[str, Measurement]], profile_summary: str | None) -> str:
+    header = ["n", "dense fwd ms", "dense fwd+bwd ms", "dense peak GiB", "NSA fwd ms",
+              "NSA fwd+bwd ms", "NSA peak GiB", "fwd+bwd speed-up", "peak ratio"]
+    rows = []
+    for n, pair in results.items():
+        dense, nsa = pair["dense"], pair["nsa"]
+        speedup, ratio = _ratio(pair, "step_ms"), _ratio(pair, "peak_gib")
+        rows.append([
+            n,
+            dense.error or _fmt(dense.fwd_ms), dense.error or _fmt(dense.step_ms), dense.error or _fmt(dense.peak_gib),
+            nsa.error or _fmt(nsa.fwd_ms), nsa.error or _fmt(nsa.step_ms), nsa.error or _fmt(nsa.peak_gib),
+            "-" if speedup is None else f"{speedup:.2f}x", _fmt(ratio),
+        ])
+    lines = [
+        "## Layer: NSA vs dense attention (`benchmarks/bench_layer.py`)",
+        "",
+        environment_line(),
+        "",
+        "dim 2048, 32 query heads, 2 kv heads, head dim 64, sliding window 512, compression 32 / "
+        "stride 16, selection blocks 64, 16 selected, causal, bf16 autocast, batch 1. NSA: "
+        "`SparseAttention(use_triton_kernel=True)`; dense: `FullAttention` (SDPA). Medians of "
+        "CUDA-event timings; fwd is a training forward (autograd on); peak is "
+        "`torch.cuda.max_memory_allocated` over one forward + backward, input (fp32, requires "
+        "grad) and weights included.",
+        "",
+        markdown_table(header, rows),
+        "",
+        "Targets: " + "; ".join(_targets(results)) + ".",
+    ]
+    if profile_summary:
+        lines += ["", profile_summary]
+    lines += [
+        "",
+        "For context, the figures the issue measured on an H100 (torch 2.11, triton 3.6) for the "
+        "dense layer and the popular `native-sparse-attention-pytorch` package's layer "
+        "(fwd / fwd+bwd ms, peak GB):",
+        "",
+        markdown_table(
+            ["n", "dense SDPA layer", "popular package, Triton selection", "popular package, PyTorch path"],
+            [[n, " / ".join(map(str, ISSUE_DENSE[n][:2])) + f", {ISSUE_DENSE[n][2]}",
+              " / ".join(map(str, ISSUE_POPULAR_TRITON[n][:2])) + f", {ISSUE_POPULAR_TRITON[n][2]}",
+              " / ".join(ISSUE_POPULAR_PYTORCH[n][:2]) + (f", {ISSUE_POPULAR_PYTORCH[n][2]}" if ISSUE_POPULAR_PYTORCH[n][2] else "")]
+             for n in ISSUE_DENSE],
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _ratio(pair: dict[str, Measurement], attr: str) -> float | None:
+    """Dense time over NSA time (``step_ms``) or NSA memory over dense memory (``peak_gib``)."""
+    dense, nsa = getattr(pair["dense"], attr), getattr(pair["nsa"], attr)
+    if dense is None or nsa is None:
+        return None
+    return dense / nsa if attr == "step_ms" else nsa / dense
+
+
+def _verdict(values: list, ok) -> str:
+    if not values or any(value is None for value in values):
+        return "not measured at every n"
+    return "met" if all(ok(value) for value in values) else "MISSED"
+
+
+def _targets(results: dict[int, dict[str, Measurement]]) -> list[str]:
+    speedups = {n: _ratio(pair, "step_ms") for n, pair in results.items()}
+    peaks = [_ratio(pair, "peak_gib") for pair in results.values()]
+    at_64k = speedups.get(65536)
+    return [
+        "fwd+bwd faster than dense from 8k on: "
+        + _verdict([s for n, s in speedups.items() if n >= 8192], lambda s: s > 1),
+        ">= 4x faster at 64k: " + _verdict([at_64k] if 65536 in speedups else [], lambda s: s >= 4)
+        + ("" if at_64k is None else f" ({at_64k:.2f}x)"),
+        "peak memory <= 2x dense at every n: " + _verdict(peaks, lambda r: r <= 2),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
+    parser.add_argument("--profile", type=int, default=None, help="also profile the NSA layer at this length")
+    parser.add_argument("--profile-out", type=Path, default=None, help="file for the full profiler table")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_layer.py needs a CUDA device")
+
+    results = {}
+    for n in args.seq_lens:
+        results[n] = {kind: measure(kind, n) for kind in ("dense", "nsa")}
+        dense, nsa = results[n]["dense"], results[n]["nsa"]
+        print(f"n={n}: dense {dense}, nsa {nsa}", flush=True)
+    profile_summary = profile(args.profile, args.profile_out) if args.profile else None
+    markdown = report(results, profile_summary)
+    print(markdown)
+    if not args.no_write:
+        write_section("layer", markdown)
+
+
+if __name__ == "__main__":
+    main()
