@@ -483,28 +483,44 @@ def plot_selection_map(source, x: torch.Tensor | None = None, *, head: int | Non
     return fig
 
 
-def plot_block_scores(source, x: torch.Tensor | None = None, *, head: int | None = None) -> Figure:
+def plot_block_scores(
+    source, x: torch.Tensor | None = None, *, head: int | None = None, relative: bool = True
+) -> Figure:
     """The importance score of every key block for every query, from which the top-n
     selection is taken: the compressed-branch attention mass on the compressed blocks that
     overlap the key block (summed over the GQA group when it shares its selection).
-    A red line runs through the blocks that were selected; grey cells could not be selected."""
+    A red line runs through the blocks that were selected; grey cells could not be selected.
+
+    With ``relative`` (the default) each query's scores are divided by its best one: the
+    selection only compares blocks within a row, and the raw mass of a late query, spread
+    over many blocks, would otherwise be too faint to read next to an early one's.
+    """
+    if not isinstance(relative, bool):
+        raise TypeError(f"relative must be a bool, got {type(relative).__name__}")
     rec = _as_record(source, x)
     panels = _selection_panels(rec, head)
     fig, axes = _panels(len(panels), aspect=1.15)
     selectable = rec.selectable()
-    vmax = max(float(rec.block_scores.max()), 1e-6)
+    scores = rec.block_scores.numpy()
+    if relative:
+        best = scores.max(axis=-1, keepdims=True)
+        scores = np.divide(scores, best, out=np.zeros_like(scores), where=best > 0)
+    vmax = max(float(scores.max()), 1e-6)
     image = None
     for ax, (selection_head, title) in zip(axes, panels):
-        scores = np.ma.masked_where(~selectable, rec.block_scores[selection_head].numpy())
-        image = ax.imshow(scores, cmap=_masked_cmap("viridis"), vmin=0.0, vmax=vmax, interpolation="nearest",
-                          aspect="auto", extent=_block_image_extent(rec))
+        image = ax.imshow(np.ma.masked_where(~selectable, scores[selection_head]), cmap=_masked_cmap("viridis"),
+                          vmin=0.0, vmax=vmax, interpolation="nearest", aspect="auto",
+                          extent=_block_image_extent(rec))
         selected = rec.selection_categories(selection_head) == _SELECTED
         ax.add_collection(LineCollection(_selected_segments(selected), colors=_SELECTED_MARK_COLOR,
                                          linewidths=1.8, capstyle="butt"))
         _draw_block_map(ax, rec, title)
     _label_outer(axes)
-    what = "summed over the group" if rec.shared_selection and rec.group_size > 1 else "per head"
-    fig.colorbar(image, ax=axes, shrink=0.8, label=f"block importance ({what})")
+    if relative:
+        label = "importance / the query's best block"
+    else:
+        label = "importance, summed over the group" if rec.shared_selection and rec.group_size > 1 else "importance"
+    fig.colorbar(image, ax=axes, shrink=0.8, label=label)
     handles = [
         Line2D([], [], color=_SELECTED_MARK_COLOR, linewidth=1.8, label="selected block"),
         Patch(facecolor=UNAVAILABLE_COLOR, label="not selectable"),
@@ -580,7 +596,8 @@ def plot_compressed_attention(source, x: torch.Tensor | None = None, *, head: in
     if rec.num_mem:
         handles.append(Line2D([], [], color=_MEMORY_EDGE_COLOR, label=f"end of the memory keys ({rec.num_mem})"))
     _legend(fig, handles)
-    fig.suptitle("NSA compressed attention: memory keys and compressed windows")
+    fig.suptitle(f"NSA compressed attention: window c covers tokens "
+                 f"[{rec.compress_stride}c, {rec.compress_stride}c + {rec.compress_block_size})")
     return fig
 
 
@@ -594,8 +611,7 @@ def _label_compressed_axis(ax: Axes, rec: AttentionRecord) -> None:
         ticks.insert(0, (rec.num_mem - 1) / 2)
         labels.insert(0, "mem")
     ax.set_xticks(ticks, labels)
-    ax.set_xlabel(f"compressed key: memory, then window c = tokens "
-                  f"[{rec.compress_stride}c, {rec.compress_stride}c + {rec.compress_block_size})")
+    ax.set_xlabel("compressed key (memory, then window c)")
 
 
 # ---------------------------------------------------------------------------- checkpoints and CLI
