@@ -40,6 +40,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, NullFormatter
 from torch import nn
 
+from native_sparse_attention.checkpoint import checkpoint_path, latest_checkpoint
+from native_sparse_attention.checkpoint import load_checkpoint as read_checkpoint
 from native_sparse_attention.selection import selectable_blocks
 from native_sparse_attention.sparse_attention import SparseAttention
 from native_sparse_attention.transformer import Transformer
@@ -626,7 +628,7 @@ def load_checkpoint(path: str | Path) -> Transformer:
     """
     path = _checkpoint_file(Path(path))
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = read_checkpoint(path)
     except Exception as error:  # torch raises several types for foreign or corrupt files
         raise ValueError(
             f"could not read checkpoint {path}: not a torch.save file of tensors and plain Python values "
@@ -643,21 +645,17 @@ def load_checkpoint(path: str | Path) -> Transformer:
 
 
 def _checkpoint_file(path: Path) -> Path:
-    """``path`` itself, or the checkpoint of the highest step in a run directory (or in
-    its ``checkpoints/`` folder)."""
+    """``path`` itself, or the latest checkpoint of a run directory (or of its
+    ``checkpoints/`` folder)."""
     if path.is_file():
         return path
     if not path.is_dir():
         raise ValueError(f"checkpoint {path} does not exist")
-    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    steps = {}
-    for candidate in folder.glob("step-*.pt"):
-        step = candidate.stem.removeprefix("step-")
-        if step.isdigit():
-            steps[int(step)] = candidate
-    if not steps:
-        raise ValueError(f"{path} holds no checkpoint: expected {folder / 'step-<step>.pt'}")
-    return steps[max(steps)]
+    run_dir = path.parent if path.name == "checkpoints" else path
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise ValueError(f"{path} holds no checkpoint: expected {checkpoint_path(run_dir, 0).with_name('step-*.pt')}")
+    return latest
 
 
 def _summary(error: Exception) -> str:
