@@ -53,6 +53,8 @@ from native_sparse_attention.selection import (
 __all__ = ["compressed_attend_and_select"]
 
 LOG2E = 1.4426950408889634
+# The same constant for kernels, which may only read constexpr globals.
+_KERNEL_LOG2E = tl.constexpr(LOG2E)
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_HEAD_DIM = 128
 
@@ -101,7 +103,7 @@ def _store_rows(ptr, start, row_stride, num_rows, value, BLOCK: tl.constexpr,
 def _load_lse_log2(lse_ptr, rows, M):
     """LSE of ``rows`` in base 2, with empty rows (-inf) mapped to +inf so that
     ``exp2(s - lse)`` is 0 for them instead of NaN."""
-    lse = tl.load(lse_ptr + rows, mask=rows < M, other=float("inf")) * LOG2E
+    lse = tl.load(lse_ptr + rows, mask=rows < M, other=float("inf")) * _KERNEL_LOG2E
     return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
@@ -184,7 +186,7 @@ def _attention_fwd_kernel(
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / LOG2E,
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / _KERNEL_LOG2E,
                    float("-inf"))
     o_ptr = _head_pointers(OUT, z, h, stride_oz, stride_oh)
     _store_rows(o_ptr, m_start, stride_om, M, out, BLOCK_M, BLOCK_D, HEAD_DIM)
