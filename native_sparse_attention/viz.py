@@ -70,7 +70,7 @@ _MEMORY_EDGE_COLOR = "#00b4d8"
 
 # Selection map cell categories, in colormap order.
 _NOT_SELECTABLE, _CANDIDATE, _SELECTED, _OWN_BLOCK = range(4)
-_SELECTION_CMAP = ListedColormap(["#d9d9d9", "#ffffff", BRANCH_COLORS["selected"], OWN_BLOCK_COLOR])
+_SELECTION_CMAP = ListedColormap([UNAVAILABLE_COLOR, "#ffffff", BRANCH_COLORS["selected"], OWN_BLOCK_COLOR])
 
 # Gates often sit on the same value (they start equal): a wide pale line under a dashed one
 # keeps both visible where they coincide.
@@ -396,6 +396,19 @@ def _label_position_axis(axis, rec: AttentionRecord) -> None:
     axis.set_ticks(np.arange(0, seq_len, step))
 
 
+def _label_compressed_axis(ax: Axes, rec: AttentionRecord) -> None:
+    """Memory keys under one "mem" tick, then compression windows by index."""
+    step = max(1, -(-rec.num_compressed // _POSITION_TICKS))
+    # With thinned ticks, window 0 would crowd the "mem" tick next to it.
+    windows = np.arange(step if rec.num_mem and step > 1 else 0, rec.num_compressed, step)
+    ticks, labels = list(rec.num_mem + windows), [str(c) for c in windows]
+    if rec.num_mem:
+        ticks.insert(0, (rec.num_mem - 1) / 2)
+        labels.insert(0, "mem")
+    ax.set_xticks(ticks, labels)
+    ax.set_xlabel("compressed key (memory, then window c)")
+
+
 def _block_image_extent(rec: AttentionRecord) -> tuple[float, float, float, float]:
     # Block j spans x in [j, j + 1); query i is the row centred on y = i, earliest at the top.
     return (0.0, float(rec.num_blocks), rec.seq_len - 0.5, -0.5)
@@ -423,11 +436,6 @@ def _draw_sliding_window(ax: Axes, rec: AttentionRecord) -> None:
                      edgecolor=color, hatch="////", linewidth=0, alpha=0.45)
     ax.plot(first / size, positions, color=color, linewidth=1.2)
     ax.plot((last + 1) / size, positions, color=color, linewidth=1.2)
-
-
-def _window_legend_handle(rec: AttentionRecord) -> Patch:
-    return Patch(facecolor="none", edgecolor=BRANCH_COLORS["sliding"], hatch="////",
-                 label=f"sliding window ({rec.sliding_window_size} tokens)")
 
 
 def _selected_segments(selected: np.ndarray) -> list[tuple[tuple[float, float], tuple[float, float]]]:
@@ -476,7 +484,8 @@ def plot_selection_map(source, x: torch.Tensor | None = None, *, head: int | Non
         Patch(facecolor=BRANCH_COLORS["selected"], label=f"selected (top {rec.selected_indices.shape[-1]})"),
         Patch(facecolor="#ffffff", edgecolor="#999999", label="candidate, not selected"),
         Patch(facecolor=UNAVAILABLE_COLOR, label="not selectable (no complete window yet)"),
-        _window_legend_handle(rec),
+        Patch(facecolor="none", edgecolor=BRANCH_COLORS["sliding"], hatch="////",
+              label=f"sliding window ({rec.sliding_window_size} tokens)"),
     ]
     if rec.causal:
         handles.insert(1, Patch(facecolor=OWN_BLOCK_COLOR, label="own block (block-causal diagonal)"))
@@ -601,19 +610,6 @@ def plot_compressed_attention(source, x: torch.Tensor | None = None, *, head: in
     fig.suptitle(f"NSA compressed attention: window c covers tokens "
                  f"[{rec.compress_stride}c, {rec.compress_stride}c + {rec.compress_block_size})")
     return fig
-
-
-def _label_compressed_axis(ax: Axes, rec: AttentionRecord) -> None:
-    """Memory keys under one "mem" tick, then compression windows by index."""
-    step = max(1, -(-rec.num_compressed // _POSITION_TICKS))
-    # With thinned ticks, window 0 would crowd the "mem" tick next to it.
-    windows = np.arange(step if rec.num_mem and step > 1 else 0, rec.num_compressed, step)
-    ticks, labels = list(rec.num_mem + windows), [str(c) for c in windows]
-    if rec.num_mem:
-        ticks.insert(0, (rec.num_mem - 1) / 2)
-        labels.insert(0, "mem")
-    ax.set_xticks(ticks, labels)
-    ax.set_xlabel("compressed key (memory, then window c)")
 
 
 # ---------------------------------------------------------------------------- checkpoints and CLI
