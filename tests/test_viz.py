@@ -343,7 +343,7 @@ def test_cli_help_describes_its_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
         viz.main(["--help"])
     assert exit_info.value.code == 0
-    help_text = capsys.readouterr().out
+    help_text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
     assert help_text.startswith("usage: python -m native_sparse_attention.viz")
     for option in ("--checkpoint", "--text", "--out", "--layer", "--head", "run directory"):
         assert option in help_text
