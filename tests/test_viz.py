@@ -90,6 +90,17 @@ def test_recording_leaves_model_output_and_gradients_bit_identical():
     assert all(layer.recorder is None for layer in viz.sparse_attention_layers(model))
 
 
+def test_without_recording_the_layer_does_no_recording_work(monkeypatch):
+    def refuse(self, **tensors):
+        raise AssertionError("recorded although recording is off")
+
+    monkeypatch.setattr(SparseAttention, "_record", refuse)
+    layer = make_layer()
+    layer(layer_input())
+    with pytest.raises(AssertionError, match="recording is off"), viz.record(layer):
+        layer(layer_input())
+
+
 def test_record_restores_recorders_after_an_error():
     layer = make_layer()
     with pytest.raises(ValueError), viz.record(layer):
