@@ -17,7 +17,10 @@ install-test:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install -e ".[test]"
 
+# matplotlib draws the run's loss curve (train.py trains without it, announcing that it
+# skips the plot).
 train: install
+	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PIP) install matplotlib
 	$(PYTHON) train.py $(ARGS)
 
 test: install-test

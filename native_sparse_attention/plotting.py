@@ -16,7 +16,7 @@ from pathlib import Path
 
 from native_sparse_attention.checkpoint import atomic_write
 
-__all__ = ["comparable_runs", "plot_runs", "plot_run", "read_metrics"]
+__all__ = ["comparable_runs", "plot_run", "plot_runs", "read_config", "read_metrics"]
 
 LOSS_CURVE = "loss_curve.png"
 # Runs are overlaid only when these agree: same bytes, same model size.
@@ -37,7 +37,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return records
 
 
-def _read_config(run_dir: Path) -> dict:
+def read_config(run_dir: Path) -> dict:
     """config.json's training settings merged with its ``run`` section (what was resolved
     at start: corpus, attention backend, ...)."""
     try:
@@ -51,18 +51,18 @@ def comparable_runs(run_dir: str | Path) -> list[Path]:
     """``run_dir`` first, then its siblings with metrics whose config matches it on
     corpus, width, depth and sequence length."""
     run_dir = Path(run_dir)
-    config = _read_config(run_dir)
+    config = read_config(run_dir)
     key = [config.get(name) for name in _COMPARABLE_KEYS]
     siblings = [
         path for path in sorted(run_dir.parent.iterdir())
         if path.is_dir() and path.resolve() != run_dir.resolve() and (path / "metrics.jsonl").exists()
-        and [_read_config(path).get(name) for name in _COMPARABLE_KEYS] == key
+        and [read_config(path).get(name) for name in _COMPARABLE_KEYS] == key
     ]
     return [run_dir, *siblings]
 
 
 def _label(run_dir: Path) -> str:
-    config = _read_config(run_dir)
+    config = read_config(run_dir)
     attention = config.get("attn")
     if attention == "sparse" and config.get("attention_backend"):
         attention = f"sparse, {config['attention_backend']}"

@@ -58,7 +58,22 @@ from native_sparse_attention.data import (
 )
 from native_sparse_attention.transformer import Transformer
 
-__all__ = ["PRESETS", "TrainConfig", "UsageError", "autocast", "main", "resolve_config", "train", "train_step"]
+__all__ = [
+    "PRESETS",
+    "Diverged",
+    "TrainConfig",
+    "Trainer",
+    "UsageError",
+    "autocast",
+    "build_model",
+    "build_optimizer",
+    "evaluate",
+    "learning_rate",
+    "main",
+    "resolve_config",
+    "train",
+    "train_step",
+]
 
 ATTENTIONS = ("sparse", "full")
 BACKENDS = ("triton", "flex", "pytorch")
@@ -68,6 +83,10 @@ MIN_LR_RATIO = 0.1  # where the cosine schedule ends, relative to --lr
 
 class UsageError(Exception):
     """Flags that cannot be honoured; the message is one line meant for the user."""
+
+
+class Diverged(Exception):
+    """The loss or the gradient norm stopped being finite; the weights are no longer worth saving."""
 
 
 def _setting(default, help: str, type=None, minimum=None, choices=None):
@@ -190,8 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
             metavar = None if meta["choices"] else {int: "N", float: "X", str: "SPEC"}[meta["type"]]
             parser.add_argument(flag, type=_bounded(meta["type"], meta["minimum"]), choices=meta["choices"],
                                 metavar=metavar, help=help)
-    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="where the run writes (default: runs/<preset>-<attn>)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR",
+                        help="where the run writes (default: runs/<preset>-<attn>)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --run-dir from its latest checkpoint")
     return parser
 
 
@@ -471,155 +492,191 @@ def train(config: TrainConfig, run_dir: Path, resume: bool) -> int:
     stopped by a signal)."""
     runtime = start_runtime(config)
     try:
-        return _train(config, run_dir, resume, runtime)
+        return Trainer(config, run_dir, resume, runtime).run()
     finally:
         if runtime.distributed:
             dist.destroy_process_group()
 
 
-def _train(config: TrainConfig, run_dir: Path, resume: bool, runtime: Runtime) -> int:
-    from tqdm.auto import tqdm
+class Trainer:
+    """One run: its data, model, optimizer and run directory, built from the settings (and
+    restored from the latest checkpoint when resuming)."""
 
-    from native_sparse_attention.plotting import plot_run
+    def __init__(self, config: TrainConfig, run_dir: Path, resume: bool, runtime: Runtime):
+        from tqdm.auto import tqdm
 
-    device, is_main = runtime.device, runtime.is_main
-    log = tqdm.write if is_main else (lambda message: None)
-    plotting = importlib.util.find_spec("matplotlib") is not None
-    if not plotting:
-        log("matplotlib is not installed: no loss-curve PNG (pip install matplotlib)")
-    corpus = _load_corpus(config, runtime, log)
-    config = replace(config, data=corpus.name)  # a resumed run reads the same bytes
-    train_data, val_data = split_corpus(corpus.data, config.seq_len)
+        self.runtime, self.run_dir = runtime, run_dir
+        self.device, self.is_main = runtime.device, runtime.is_main
+        self.log = tqdm.write if self.is_main else (lambda message: None)
+        self.plotting = importlib.util.find_spec("matplotlib") is not None
+        if not self.plotting:
+            self.log("matplotlib is not installed: no loss-curve PNG (pip install matplotlib)")
 
-    backend = attention_backend(config, device)
-    torch.manual_seed(config.seed)
-    model = build_model(config, backend).to(device)
-    optimizer = build_optimizer(model, config)
-    sampler = RandomOffsetSampler(train_data.numel(), config.seq_len, config.batch_size, config.seed, runtime.rank)
-    val_offsets = validation_offsets(val_data.numel(), config.seq_len, config.val_batches * config.batch_size)
-    val_offsets = val_offsets[runtime.rank::runtime.world_size]
-    prompt = val_data[:config.prime_len].long().to(device)
+        corpus = _load_corpus(config, runtime, self.log)
+        self.config = config = replace(config, data=corpus.name)  # a resumed run reads the same bytes
+        self.train_data, self.val_data = split_corpus(corpus.data, config.seq_len)
+        self.backend = attention_backend(config, self.device)
+        torch.manual_seed(config.seed)
+        self.model = build_model(config, self.backend).to(self.device)
+        self.optimizer = build_optimizer(self.model, config)
+        self.sampler = RandomOffsetSampler(self.train_data.numel(), config.seq_len, config.batch_size,
+                                           config.seed, runtime.rank)
+        offsets = validation_offsets(self.val_data.numel(), config.seq_len, config.val_batches * config.batch_size)
+        self.val_offsets = offsets[runtime.rank::runtime.world_size]
+        self.prompt = self.val_data[:config.prime_len].long().to(self.device)
+        self.tokens_per_step = config.batch_size * config.grad_accum * config.seq_len * runtime.world_size
 
-    metrics_path, samples_path = run_dir / "metrics.jsonl", run_dir / "samples.txt"
-    start_step = 0
-    if resume:
-        checkpoint_file = latest_checkpoint(run_dir)
-        checkpoint = load_checkpoint(checkpoint_file)
-        start_step = checkpoint["step"]
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        sampler.load_state_dict(checkpoint["sampler"])
+        self.start_step = self._restore() if resume else 0
+        # The state after the last completed step, which is what a checkpoint may hold.
+        self.done_step, self.saved_step = self.start_step, self.start_step
+        self.done_sampler_state = self.sampler.state_dict()
+        self._write_run_files(corpus, resume)
+
+        self.step_model = self.model
+        if runtime.distributed:
+            self.step_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        self.no_sync = self.step_model.no_sync if runtime.distributed else None
+        if config.compile:
+            self.step_model = torch.compile(self.step_model)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def _restore(self) -> int:
+        path = latest_checkpoint(self.run_dir)
+        checkpoint = load_checkpoint(path)
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.sampler.load_state_dict(checkpoint["sampler"])
         torch.set_rng_state(checkpoint["rng"]["torch"])
-        if device.type == "cuda" and checkpoint["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(checkpoint["rng"]["cuda"], device)
-        log(f"resuming from {checkpoint_file} (step {start_step})")
+        if self.device.type == "cuda" and checkpoint["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(checkpoint["rng"]["cuda"], self.device)
+        self.log(f"resuming from {path} (step {checkpoint['step']})")
+        return checkpoint["step"]
 
-    run = dict(
-        corpus=corpus.name, corpus_bytes=corpus.data.numel(), device=str(device), attention_backend=backend,
-        world_size=runtime.world_size, num_parameters=sum(p.numel() for p in model.parameters()),
-        tokens_per_step=config.batch_size * config.grad_accum * config.seq_len * runtime.world_size,
-        torch=torch.__version__,
-    )
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps({**asdict(config), "run": run}, indent=2) + "\n")
+    def _write_run_files(self, corpus, resume: bool) -> None:
+        run = dict(
+            corpus=corpus.name, corpus_bytes=corpus.data.numel(), torch_device=str(self.device),
+            attention_backend=self.backend, world_size=self.runtime.world_size,
+            num_parameters=sum(p.numel() for p in self.model.parameters()),
+            tokens_per_step=self.tokens_per_step, torch=torch.__version__,
+        )
+        if not self.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps({**asdict(self.config), "run": run}, indent=2) + "\n")
         if resume:
-            _truncate_metrics(metrics_path, start_step)
+            _truncate_metrics(self.metrics_path, self.start_step)
         else:
-            metrics_path.write_text("")
-        print(describe(config, run, run_dir), flush=True)
+            self.metrics_path.write_text("")
+        print(describe(self.config, run, self.run_dir), flush=True)
 
-    step_model = model
-    if runtime.distributed:
-        step_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    no_sync = step_model.no_sync if runtime.distributed else None
-    if config.compile:
-        step_model = torch.compile(step_model)
+    # ------------------------------------------------------------------ one step of each kind
 
-    def checkpoint_state(step: int, sampler_state: dict) -> dict:
-        cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        return dict(
-            model=model.state_dict(), model_config=model.config, step=step, optimizer=optimizer.state_dict(),
-            sampler=sampler_state, rng=dict(torch=torch.get_rng_state(), cuda=cuda_rng),
-            train_config=asdict(config),
-        )
+    def _train_step(self, step: int, stop: StopSignals) -> tuple[float, float, bool]:
+        """-> (loss averaged over ranks, gradient norm, whether any rank was asked to stop)."""
+        lr = learning_rate(step, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro_batches = [
+            windows(self.train_data, self.sampler.next_offsets(), self.config.seq_len).to(self.device)
+            for _ in range(self.config.grad_accum)
+        ]
+        loss, grad_norm = train_step(self.step_model, self.optimizer, micro_batches, self.config.grad_clip,
+                                     self.no_sync)
+        stats = torch.stack((loss, torch.tensor(float(stop.signum is not None), device=self.device)))
+        if self.runtime.distributed:
+            dist.all_reduce(stats)
+            stats[0] /= self.runtime.world_size
+        loss_value, grad_norm_value = stats[0].item(), grad_norm.item()
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
+            raise Diverged(f"training diverged at step {step} (loss {loss_value}, gradient norm "
+                           f"{grad_norm_value}); the last checkpoint is from step {self.saved_step}")
+        self.done_step, self.done_sampler_state = step, self.sampler.state_dict()
+        return loss_value, grad_norm_value, stats[1].item() > 0
 
-    def save(step: int, sampler_state: dict) -> Path | None:
-        if not is_main:
+    def _sample(self, step: int) -> None:
+        text = generate_sample(self.model, self.prompt, self.config, seed=self.config.seed + step)
+        prompt_text = bytes(self.prompt.tolist()).decode("utf-8", errors="replace")
+        self.log(f"step {step} sample:\n{prompt_text}\u2502{text}")
+        with (self.run_dir / "samples.txt").open("a") as file:
+            file.write(f"=== step {step}\n{prompt_text}\u2502{text}\n")
+
+    def _save(self) -> Path | None:
+        """Checkpoint the last completed step (rank 0 writes)."""
+        self.saved_step = self.done_step
+        if not self.is_main:
             return None
-        return save_checkpoint(run_dir, checkpoint_state(step, sampler_state), config.keep_checkpoints)
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        state = dict(
+            model=self.model.state_dict(), model_config=self.model.config, step=self.done_step,
+            optimizer=self.optimizer.state_dict(), sampler=self.done_sampler_state,
+            rng=dict(torch=torch.get_rng_state(), cuda=cuda_rng), train_config=asdict(self.config),
+        )
+        return save_checkpoint(self.run_dir, state, self.config.keep_checkpoints)
 
-    done, done_sampler_state, saved_step = start_step, sampler.state_dict(), start_step
-    tokens_per_step = run["tokens_per_step"]
-    window_tokens, window_seconds = 0, 0.0
-    progress = tqdm(total=config.steps, initial=start_step, disable=not is_main, dynamic_ncols=True,
-                    unit="step", desc=run_dir.name)
-    stop = StopSignals()
-    try:
-        with stop, progress:
-            for step in range(start_step + 1, config.steps + 1):
-                lr = learning_rate(step, config)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                started = time.perf_counter()
-                micro_batches = [
-                    windows(train_data, sampler.next_offsets(), config.seq_len).to(device, non_blocking=True)
-                    for _ in range(config.grad_accum)
-                ]
-                loss, grad_norm = train_step(step_model, optimizer, micro_batches, config.grad_clip, no_sync)
-                stats = torch.stack((loss, torch.tensor(float(stop.signum is not None), device=device)))
-                if runtime.distributed:
-                    dist.all_reduce(stats)
-                    stats[0] /= runtime.world_size
-                loss_value, stop_requested = stats[0].item(), stats[1].item() > 0
-                step_seconds = time.perf_counter() - started
-                window_seconds += step_seconds
-                window_tokens += tokens_per_step
-                done, done_sampler_state = step, sampler.state_dict()
-                last = step == config.steps or stop_requested
+    # ------------------------------------------------------------------ the loop
 
-                record = dict(step=step, loss=loss_value, bpb=loss_value / math.log(2), lr=lr,
-                              grad_norm=grad_norm.item())
-                if _due(step, config.val_every) or last:
-                    val_loss = evaluate(model, val_data, val_offsets, config, device)
-                    record.update(val_loss=val_loss, val_bpb=val_loss / math.log(2))
-                    log(f"step {step}: validation {record['val_bpb']:.4f} bits per byte "
-                        f"(train {record['bpb']:.4f})")
-                if _due(step, config.log_every) or "val_bpb" in record or last:
-                    record["tokens_per_s"] = window_tokens / window_seconds
-                    window_tokens, window_seconds = 0, 0.0
-                    if is_main:
-                        _append_jsonl(metrics_path, record)
-                progress.set_postfix(loss=f"{loss_value:.3f}", bpb=f"{record['bpb']:.3f}",
-                                     tok_s=f"{tokens_per_step / step_seconds:.0f}", refresh=False)
-                progress.update(1)
-                if is_main and _due(step, config.sample_every):
-                    text = generate_sample(model, prompt, config, seed=config.seed + step)
-                    prompt_text = bytes(prompt.tolist()).decode("utf-8", errors="replace")
-                    log(f"step {step} sample:\n{prompt_text}\u2502{text}")
-                    with samples_path.open("a") as file:
-                        file.write(f"=== step {step}\n{prompt_text}\u2502{text}\n")
-                if is_main and plotting and "val_bpb" in record:
-                    plot_run(run_dir)
-                if _due(step, config.checkpoint_every) or last:
-                    path = save(step, done_sampler_state)
-                    saved_step = step
-                    if path is not None and stop_requested:
-                        name = signal.Signals(stop.signum).name if stop.signum else "a signal on another rank"
-                        log(f"stopped by {name} after step {step}; saved {path}; continue with --resume")
-                if stop_requested:
-                    return 128 + (stop.signum or signal.SIGTERM)
-    except Exception:
-        if done > saved_step:
-            path = save(done, done_sampler_state)
-            if path is not None:
-                log(f"training failed after step {done}; saved {path}")
-        raise
-    if is_main:
-        print(f"done: {config.steps} steps; checkpoints in {run_dir / 'checkpoints'}", flush=True)
-    return 0
+    def run(self) -> int:
+        from tqdm.auto import tqdm
+
+        from native_sparse_attention.plotting import plot_run
+
+        config = self.config
+        window_tokens, window_seconds = 0, 0.0
+        progress = tqdm(total=config.steps, initial=self.start_step, disable=not self.is_main,
+                        dynamic_ncols=True, unit="step", desc=self.run_dir.name)
+        stop = StopSignals()
+        try:
+            with stop, progress:
+                for step in range(self.start_step + 1, config.steps + 1):
+                    started = time.perf_counter()
+                    loss, grad_norm, stop_requested = self._train_step(step, stop)
+                    step_seconds = time.perf_counter() - started
+                    window_tokens, window_seconds = window_tokens + self.tokens_per_step, window_seconds + step_seconds
+                    last = step == config.steps or stop_requested
+
+                    record = dict(step=step, loss=loss, bpb=loss / math.log(2), lr=learning_rate(step, config),
+                                  grad_norm=grad_norm)
+                    if _due(step, config.val_every) or last:
+                        val_loss = evaluate(self.model, self.val_data, self.val_offsets, config, self.device)
+                        record.update(val_loss=val_loss, val_bpb=val_loss / math.log(2))
+                        self.log(f"step {step}: validation {record['val_bpb']:.4f} bits per byte "
+                                 f"(train {record['bpb']:.4f})")
+                    if _due(step, config.log_every) or "val_bpb" in record or last:
+                        record["tokens_per_s"] = window_tokens / window_seconds
+                        window_tokens, window_seconds = 0, 0.0
+                        if self.is_main:
+                            _append_jsonl(self.metrics_path, record)
+                    progress.set_postfix(loss=f"{loss:.3f}", bpb=f"{record['bpb']:.3f}",
+                                         tok_s=f"{self.tokens_per_step / step_seconds:.0f}", refresh=False)
+                    progress.update(1)
+
+                    if self.is_main and _due(step, config.sample_every):
+                        self._sample(step)
+                    if self.is_main and self.plotting and "val_bpb" in record:
+                        plot_run(self.run_dir)
+                    if _due(step, config.checkpoint_every) or last:
+                        path = self._save()
+                        if path is not None and stop_requested:
+                            name = signal.Signals(stop.signum).name if stop.signum else "a signal on another rank"
+                            self.log(f"stopped by {name} after step {step}; saved {path}; continue with --resume")
+                    if stop_requested:
+                        return 128 + (stop.signum or signal.SIGTERM)
+        except Diverged:
+            raise  # the weights are not finite: the last checkpoint stays the newest
+        except Exception:
+            if self.done_step > self.saved_step:
+                path = self._save()
+                if path is not None:
+                    self.log(f"training failed after step {self.done_step}; saved {path}")
+            raise
+        if self.is_main:
+            print(f"done: {config.steps} steps; checkpoints in {self.run_dir / 'checkpoints'}", flush=True)
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -627,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, run_dir, resume = resolve_config(argv)
         return train(config, run_dir, resume)
-    except (UsageError, DataError) as error:
+    except (UsageError, DataError, Diverged) as error:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"train.py: error: {error}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(error, Diverged) else 2

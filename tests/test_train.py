@@ -6,6 +6,7 @@ import hashlib
 import http.server
 import io
 import json
+import math
 import os
 import random
 import signal
@@ -162,6 +163,24 @@ def test_torchrun_trains_with_two_cpu_ranks(corpus, tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["run"]["world_size"] == 2 and config["run"]["tokens_per_step"] == 2 * 4 * 64
     assert checkpoint_step(latest_checkpoint(run_dir)) == 3
+
+
+def test_divergence_stops_without_checkpointing_the_broken_weights(corpus, tmp_path, monkeypatch, capsys):
+    real_train_step, calls = training.train_step, []
+
+    def diverging_train_step(*args):
+        loss, grad_norm = real_train_step(*args)
+        calls.append(loss)
+        return (torch.full_like(loss, math.nan) if len(calls) == 3 else loss), grad_norm
+
+    monkeypatch.setattr(training, "train_step", diverging_train_step)
+    run_dir = tmp_path / "run"
+    assert run_train(corpus, run_dir, "--steps", "5", "--checkpoint-every", "2", "--log-every", "1") == 1
+    error = capsys.readouterr().err.splitlines()[-1]  # after the progress bar
+    assert error.startswith("train.py: error: training diverged at step 3 (loss nan")
+    assert error.endswith("the last checkpoint is from step 2")
+    assert [checkpoint_step(path) for path in list_checkpoints(run_dir)] == [2]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
 
 
 # ---------------------------------------------------------------------------- bad input

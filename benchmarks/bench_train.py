@@ -1,0 +1,187 @@
+"""Training throughput of the ``enwik8`` preset: NSA on its Triton kernels against full
+attention (SDPA), plus the learning curves of ``train.py`` runs.
+
+Each configuration is the enwik8 preset's model (dim 512, depth 6, 8 query heads on 4 kv
+heads of dim 64, sliding window 64, compression 16 / stride 8, selection blocks of 16, 4
+selected) taking whole training steps (``training.train_step``: bf16 autocast, forward,
+backward, gradient clipping, fused AdamW) on random bytes, with the batch sized so every
+step holds 8192 tokens. tokens/s comes from the median step time (CUDA events).
+
+With ``--runs``, the section also lists ``train.py`` runs: validation bits per byte at the
+last step every run validated, and the median of their logged tokens/s.
+
+    python benchmarks/bench_train.py
+    python benchmarks/bench_train.py --runs runs/enwik8-sparse runs/enwik8-full
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import environment_line, markdown_table, median_ms, write_section  # noqa: E402
+from native_sparse_attention.plotting import read_config, read_metrics  # noqa: E402
+from native_sparse_attention.training import (  # noqa: E402
+    PRESETS,
+    TrainConfig,
+    build_model,
+    build_optimizer,
+    train_step,
+)
+
+TOKENS_PER_STEP = 8192
+SEQ_LENS = (512, 4096)
+VARIANTS = (("sparse", "triton"), ("full", None))  # (attention, backend)
+GIB = 2**30
+
+
+@dataclass
+class Measurement:
+    batch_size: int
+    step_ms: float | None = None
+    peak_gib: float | None = None
+    error: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.step_ms is None else TOKENS_PER_STEP / (self.step_ms / 1e3)
+
+
+def measure(seq_len: int, attn: str, backend: str | None) -> Measurement:
+    config = replace(TrainConfig(**PRESETS["enwik8"]), attn=attn, seq_len=seq_len,
+                     batch_size=TOKENS_PER_STEP // seq_len)
+    result = Measurement(config.batch_size)
+    model = optimizer = ids = None
+    try:
+        torch.manual_seed(0)
+        model = build_model(config, backend).cuda()
+        optimizer = build_optimizer(model, config)
+        ids = torch.randint(0, 256, (config.batch_size, seq_len + 1), device="cuda")
+
+        def step():
+            train_step(model, optimizer, [ids], config.grad_clip)
+
+        step()  # compile kernels, create the optimizer state
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        result.peak_gib = torch.cuda.max_memory_allocated() / GIB
+        result.step_ms = median_ms(step, warmup=200, rep=2000)
+    except torch.OutOfMemoryError:
+        result.error = "OOM"
+    finally:
+        del model, optimizer, ids
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+def throughput_table(results: dict[tuple[int, str], Measurement]) -> str:
+    rows = []
+    for seq_len in SEQ_LENS:
+        full = results[seq_len, "full"]
+        for attn, backend in VARIANTS:
+            m = results[seq_len, attn]
+            ratio = "-"
+            if attn == "sparse" and m.step_ms and full.step_ms:
+                ratio = f"{full.step_ms / m.step_ms:.2f}x"
+            label = f"{attn} ({backend})" if backend else f"{attn} (SDPA)"
+            rows.append([seq_len, label, m.batch_size, m.error or f"{m.step_ms:.1f}",
+                         m.error or f"{m.tokens_per_s:,.0f}", m.error or f"{m.peak_gib:.2f}", ratio])
+    return markdown_table(["seq len", "attention", "batch", "ms / step", "tokens/s", "peak GiB",
+                           "speed vs full"], rows)
+
+
+def command_line(config: dict) -> str:
+    """The train.py command that reproduces a run's settings (up to --run-dir)."""
+    preset = config.get("preset") or "enwik8"
+    defaults = TrainConfig(**PRESETS[preset])
+    flags = [f"--preset {preset}"]
+    for setting in fields(TrainConfig):
+        value = config.get(setting.name)
+        if setting.name != "preset" and value is not None and value != getattr(defaults, setting.name):
+            flags.append(f"--{setting.name.replace('_', '-')} {value}")
+    return "python train.py " + " ".join(flags)
+
+
+def runs_table(run_dirs: list[Path]) -> tuple[str, int | None]:
+    """One row per run; validation bpb at the last step all runs validated."""
+    metrics = {run_dir: read_metrics(run_dir) for run_dir in run_dirs}
+    validated = [{r["step"] for r in records if "val_bpb" in r} for records in metrics.values()]
+    common = set.intersection(*validated) if validated else set()
+    step = max(common) if common else None
+    rows = []
+    for run_dir, records in metrics.items():
+        config = read_config(run_dir)
+        attention = config.get("attn", "?")
+        if config.get("attention_backend"):
+            attention += f" ({config['attention_backend']})"
+        val = next((r["val_bpb"] for r in records if r["step"] == step and "val_bpb" in r), None)
+        # The first record includes compilation and warm-up.
+        speeds = [r["tokens_per_s"] for r in records[1:] if "tokens_per_s" in r]
+        corpus = f"{config.get('corpus', '?')} ({config.get('corpus_bytes', 0) / 1e6:.1f} MB)"
+        rows.append([run_dir.name, attention, f"{config.get('num_parameters', 0) / 1e6:.1f}M", corpus,
+                     records[-1]["step"] if records else 0, "-" if val is None else f"{val:.4f}",
+                     f"{statistics.median(speeds):,.0f}" if speeds else "-"])
+    header = ["run", "attention", "parameters", "corpus", "steps", f"val bpb at step {step}", "median tokens/s"]
+    commands = "\n".join(f"- {run_dir.name}: `{command_line(read_config(run_dir))}`" for run_dir in run_dirs)
+    return markdown_table(header, rows) + "\n\n" + commands, step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", nargs="*", type=Path, default=[], help="train.py run directories to list")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    missing = [str(path) for path in args.runs if not (path / "metrics.jsonl").exists()]
+    if missing:
+        parser.error(f"no metrics.jsonl in {', '.join(missing)}")
+
+    results = {}
+    for seq_len in SEQ_LENS:
+        for attn, backend in VARIANTS:
+            results[seq_len, attn] = measure(seq_len, attn, backend)
+            print(f"seq {seq_len} {attn}: {results[seq_len, attn]}", flush=True)
+
+    lines = [
+        "## Training: enwik8 preset, NSA vs full attention (`benchmarks/bench_train.py`)",
+        "",
+        environment_line(),
+        "",
+        f"The `enwik8` preset's model (dim 512, depth 6, 8 query / 4 kv heads of dim 64; NSA: sliding "
+        f"window 64, compression 16 / stride 8, selection blocks 16, 4 selected) taking whole training "
+        f"steps (bf16 autocast, forward, backward, clipping, fused AdamW) with {TOKENS_PER_STEP} tokens "
+        f"per step; median step time over CUDA events.",
+        "",
+        throughput_table(results),
+    ]
+    if args.runs:
+        table, step = runs_table(args.runs)
+        lines += [
+            "",
+            "`train.py` runs (settings in each run's `config.json`; validation bits per byte over the "
+            "run's fixed validation windows; tokens/s as logged, which includes reading the batches "
+            "and the loss of every step back to the host):",
+            "",
+            table,
+        ]
+    markdown = "\n".join(lines)
+    print(markdown)
+    if not args.no_write:
+        write_section("training", markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
