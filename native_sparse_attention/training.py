@@ -20,7 +20,8 @@ its run directory:
 order and RNG state, so the losses it logs are those of an uninterrupted run (bit for bit
 on the CPU). Under ``torchrun`` every rank trains on its own data stream with
 DistributedDataParallel; rank 0 logs, samples and saves. Usage errors and unusable data
-end the program with one line on stderr and exit code 2.
+end the program with one line on stderr and exit code 2; a loss that stops being finite
+with exit code 1, without checkpointing the broken weights.
 """
 
 from __future__ import annotations
