@@ -1,7 +1,7 @@
 """Byte-level language-model training with NSA or full attention: ``python train.py``.
 
-Settings come from a preset (``enwik8``: the GPU toy run; ``tiny``: a CPU run of a minute)
-overridden by command-line flags; ``python train.py --help`` lists them. A run writes to
+Settings come from a preset (``enwik8``: the GPU toy run; ``tiny``: a CPU run of a minute
+or two) overridden by command-line flags; ``python train.py --help`` lists them. A run writes to
 its run directory:
 
 - ``config.json``: the resolved settings, plus a ``run`` section (corpus, device,
