@@ -220,26 +220,30 @@ def _output_grad_dot_kernel(
 
 @triton.jit
 def _score_grad(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
-                TOPN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                TOPN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_J: tl.constexpr):
     """G = dL/dP that the selection scores add for one (query tile, key tile).
 
     A chosen block's score sums the probabilities of the compressed keys overlapping it,
     so ``G[r, key]`` is the sum of DSCORE[r, s] over the slots ``s`` whose block overlaps
-    compressed key ``key - NUM_MEM``; memory keys get 0. ``sel_ptr``, ``dscore_ptr``: the
-    ``[M, TOPN]`` indices and score gradients (0 on masked slots) of the selection head.
+    compressed key ``key - NUM_MEM``; memory keys get 0. Computed as a dot: the score
+    gradient of each of the BLOCK_J blocks that can overlap the key tile (``[BLOCK_M,
+    BLOCK_J]``), times the blocks' 0/1 overlap with the tile's keys (``[BLOCK_J,
+    BLOCK_N]``). ``sel_ptr``, ``dscore_ptr``: the ``[M, TOPN]`` indices and score
+    gradients (0 on masked slots) of the selection head.
     """
     comp = key_start - NUM_MEM + tl.arange(0, BLOCK_N)
+    blocks = tl.maximum(key_start - NUM_MEM, 0) * STRIDE // SBS + tl.arange(0, BLOCK_J)
     row_ok = rows < M
-    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    block_grad = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
     for slot in tl.static_range(TOPN):
-        block = tl.load(sel_ptr + rows * TOPN + slot, mask=row_ok, other=0)
+        block = tl.load(sel_ptr + rows * TOPN + slot, mask=row_ok, other=-1)
         dscore = tl.load(dscore_ptr + rows * TOPN + slot, mask=row_ok, other=0.0)
-        # Compressed keys c with c * STRIDE < (block + 1) * SBS and block * SBS < c * STRIDE + CBS.
-        first = tl.where(block * SBS >= CBS, (block * SBS - CBS) // STRIDE + 1, 0)
-        last = ((block + 1) * SBS - 1) // STRIDE
-        hit = (comp[None, :] >= first[:, None]) & (comp[None, :] <= last[:, None])
-        g += tl.where(hit, dscore[:, None], 0.0)
-    return g
+        block_grad += tl.where(blocks[None, :] == block[:, None], dscore[:, None], 0.0)
+    overlap = ((comp[None, :] >= 0)
+               & (comp[None, :] * STRIDE < (blocks[:, None] + 1) * SBS)
+               & (blocks[:, None] * SBS < comp[None, :] * STRIDE + CBS))
+    return tl.dot(block_grad, overlap.to(tl.float32))
 
 
 @triton.jit
@@ -256,7 +260,7 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_
                stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS, STRIDE, SBS, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-               SCORE_GRAD: tl.constexpr, TOPN: tl.constexpr):
+               SCORE_GRAD: tl.constexpr, TOPN: tl.constexpr, BLOCK_J: tl.constexpr):
     """Adds one query tile's contribution to the key tile's dK (unscaled) and dV."""
     rows = m_start + tl.arange(0, BLOCK_M)
     q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
@@ -272,7 +276,7 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_
     dp = tl.dot(do, tl.trans(v))
     if SCORE_GRAD:
         dp += _score_grad(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
-                          TOPN, BLOCK_M, BLOCK_N)
+                          TOPN, BLOCK_M, BLOCK_N, BLOCK_J)
     ds = p * (dp - delta[:, None])
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     return dk, dv
@@ -298,6 +302,7 @@ def _attention_bwd_dkdv_kernel(
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCORE_GRAD: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr, TOPN: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
     # DK, DV: [Z, HQ, N, D] fp32 partials of this query head, contiguous.
     zh = tl.program_id(0)
@@ -326,12 +331,12 @@ def _attention_bwd_dkdv_kernel(
         dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr,
                             m_start, stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS,
                             STRIDE, SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
-                            IS_CAUSAL, True, SCORE_GRAD, TOPN)
+                            IS_CAUSAL, True, SCORE_GRAD, TOPN, BLOCK_J)
     for m_start in range(rows_full, M, BLOCK_M):
         dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr,
                             m_start, stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS,
                             STRIDE, SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
-                            IS_CAUSAL, False, SCORE_GRAD, TOPN)
+                            IS_CAUSAL, False, SCORE_GRAD, TOPN, BLOCK_J)
 
     part = zh.to(tl.int64) * N * HEAD_DIM
     _store_rows(DK + part, key_start, HEAD_DIM, N, dk * sm_scale, BLOCK_N, BLOCK_D, HEAD_DIM)
@@ -339,17 +344,10 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_step(dq, pk, correction, q, do, lse, delta, rows, k_ptr, v_ptr, sel_ptr, dscore_ptr,
-             key_start, stride_kn, stride_vn, M, N, NUM_MEM, CBS, STRIDE, SBS, key_limit,
-             qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-             MASKED: tl.constexpr, SCORE_GRAD: tl.constexpr, TOPN: tl.constexpr):
-    """Adds one key tile's contribution to the query tile's dQ (unscaled).
-
-    With SCORE_GRAD, dP gains G (``_score_grad``) and the softmax correction gains
-    ``rowsum(P * G)``, which is only complete after the last tile: dQ is accumulated
-    without it, and ``pk = P @ K`` and the correction are returned so the caller can
-    subtract ``correction * pk`` at the end.
-    """
+def _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
+             key_limit, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Adds one key tile's contribution to the query tile's dQ (unscaled)."""
     k = _load_rows(k_ptr, key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
     v = _load_rows(v_ptr, key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
     p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
@@ -357,14 +355,41 @@ def _dq_step(dq, pk, correction, q, do, lse, delta, rows, k_ptr, v_ptr, sel_ptr,
         cols = key_start + tl.arange(0, BLOCK_N)
         p = tl.where(cols[None, :] < key_limit[:, None], p, 0.0)
     dp = tl.dot(do, tl.trans(v))
-    if SCORE_GRAD:
-        g = _score_grad(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
-                        TOPN, BLOCK_M, BLOCK_N)
-        dp += g
-        correction += tl.sum(p * g, 1)
-        pk += tl.dot(p.to(k.dtype), k)
     ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k), pk, correction
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
+def _score_path(q, lse, rows, M, k_ptr, stride_kn, sel_ptr, dscore_ptr, key_limit, NUM_MEM,
+                CBS, STRIDE, SBS, qk_scale, TOPN: tl.constexpr, KEYS_PER_BLOCK: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The selection scores' share of a query tile's dQ: ``(sum_c P G K, rowsum(P * G))``.
+
+    G (``_score_grad``) is nonzero only on the few compressed keys overlapping the chosen
+    blocks, so they are gathered slot by slot (KEYS_PER_BLOCK at most per block) instead
+    of being found in every key tile.
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    qf = q.to(tl.float32)
+    pgk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    pg = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for slot in range(TOPN):
+        block = tl.load(sel_ptr + rows * TOPN + slot, mask=row_ok, other=0)
+        dscore = tl.load(dscore_ptr + rows * TOPN + slot, mask=row_ok, other=0.0)
+        first = tl.where(block * SBS >= CBS, (block * SBS - CBS) // STRIDE + 1, 0)
+        last = ((block + 1) * SBS - 1) // STRIDE
+        for i in range(KEYS_PER_BLOCK):
+            key = NUM_MEM + first + i
+            valid = row_ok & (first + i <= last) & (key < key_limit)
+            k = tl.load(k_ptr + key[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+                        mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            k = k.to(tl.float32)
+            p = tl.exp2(tl.sum(qf * k, 1) * qk_scale - lse)
+            weight = tl.where(valid, dscore * p, 0.0)
+            pgk += weight[:, None] * k
+            pg += weight
+    return pgk, pg
 
 
 @triton.jit
@@ -379,15 +404,15 @@ def _attention_bwd_dq_kernel(
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCORE_GRAD: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr, TOPN: tl.constexpr,
+    KEYS_PER_BLOCK: tl.constexpr,
 ):
-    # With SCORE_GRAD this kernel also completes DELTA with rowsum(P * G), in place, for
-    # the dK / dV kernel that runs after it.
+    # With SCORE_GRAD, dS = P * (dP + G - delta - rowsum(P * G)): this kernel adds the
+    # last term to DELTA, in place, for the dK / dV kernel that runs after it.
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     k_ptr = _head_pointers(K, z, h // GQA_SHARED_HEADS, stride_kz, stride_kh)
     v_ptr = _head_pointers(V, z, h // GQA_SHARED_HEADS, stride_vz, stride_vh)
-    sel_ptr, dscore_ptr = _selection_pointers(SEL, DSCORE, z, h, M, HQ, HEADS_PER_SELECTION, TOPN)
     rows = m_start + tl.arange(0, BLOCK_M)
     q = _load_rows(_head_pointers(Q, z, h, stride_qz, stride_qh), m_start, stride_qm, M,
                    BLOCK_M, BLOCK_D, HEAD_DIM)
@@ -396,26 +421,26 @@ def _attention_bwd_dq_kernel(
     lse = _load_lse_log2(LSE + zh.to(tl.int64) * M, rows, M)
     delta_ptr = DELTA + zh.to(tl.int64) * M
     delta = tl.load(delta_ptr + rows, mask=rows < M, other=0.0)
-
     key_limit = NUM_MEM + _num_visible(rows, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if SCORE_GRAD:
+        sel_ptr, dscore_ptr = _selection_pointers(SEL, DSCORE, z, h, M, HQ,
+                                                  HEADS_PER_SELECTION, TOPN)
+        dq, pg = _score_path(q, lse, rows, M, k_ptr, stride_kn, sel_ptr, dscore_ptr,
+                             key_limit, NUM_MEM, CBS, STRIDE, SBS, qk_scale, TOPN,
+                             KEYS_PER_BLOCK, BLOCK_M, BLOCK_D, HEAD_DIM)
+        delta += pg
+        tl.store(delta_ptr + rows, delta, mask=rows < M)
+
     full_end, keys_end = _query_key_ranges(m_start, M, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
                                            BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    pk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    correction = tl.zeros([BLOCK_M], dtype=tl.float32)
     for key_start in range(0, full_end, BLOCK_N):
-        dq, pk, correction = _dq_step(
-            dq, pk, correction, q, do, lse, delta, rows, k_ptr, v_ptr, sel_ptr, dscore_ptr,
-            key_start, stride_kn, stride_vn, M, N, NUM_MEM, CBS, STRIDE, SBS, key_limit,
-            qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, SCORE_GRAD, TOPN)
+        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
+                      key_limit, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False)
     for key_start in range(full_end, keys_end, BLOCK_N):
-        dq, pk, correction = _dq_step(
-            dq, pk, correction, q, do, lse, delta, rows, k_ptr, v_ptr, sel_ptr, dscore_ptr,
-            key_start, stride_kn, stride_vn, M, N, NUM_MEM, CBS, STRIDE, SBS, key_limit,
-            qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, SCORE_GRAD, TOPN)
-    if SCORE_GRAD:
-        dq -= correction[:, None] * pk
-        tl.store(delta_ptr + rows, delta + correction, mask=rows < M)
+        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
+                      key_limit, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True)
     _store_rows(_head_pointers(DQ, z, h, stride_gz, stride_gh), m_start, stride_gm, M,
                 dq * sm_scale, BLOCK_M, BLOCK_D, HEAD_DIM)
 
@@ -576,10 +601,10 @@ class _Launch:
 # Per kernel on CUDA, from timings of the layer configuration (d = 64, 16 heads per group)
 # on an H100.
 _CUDA_LAUNCH = {
-    "forward": _Launch(64, 64, 4, 2),
-    "backward_dq": _Launch(64, 64, 4, 2),
-    "backward_dkdv": _Launch(64, 64, 4, 2),
-    "select": _Launch(64, 64, 4, 2),
+    "forward": _Launch(128, 64, 8, 3),
+    "backward_dq": _Launch(64, 64, 4, 3),
+    "backward_dkdv": _Launch(64, 64, 4, 3),
+    "select": _Launch(64, 64, 4, 3),
 }
 # Selection blocks scored per chunk, padded (BLOCK_S).
 _SELECTION_LANES = 16
@@ -635,6 +660,18 @@ def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.T
     return out, lse
 
 
+def _keys_per_block(geo: _Geometry) -> int:
+    """Most compressed keys that overlap one selection block."""
+    return (geo.selection_block_size + geo.compress_block_size - 2) // geo.compress_stride + 1
+
+
+def _blocks_per_key_tile(block_n: int, geo: _Geometry) -> int:
+    """BLOCK_J: selection blocks that can overlap a tile of ``block_n`` compressed keys,
+    padded for ``tl.dot``."""
+    span = ((block_n - 1) * geo.compress_stride + geo.compress_block_size - 1) // geo.selection_block_size + 2
+    return max(16, triton.next_power_of_2(span))
+
+
 def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
                         score_grad=None):
     """Gradients of ``_attention_forward``: (dq [b, hq, n, d], dck, dcv [b, hk, N, d]).
@@ -673,7 +710,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     dq = _allocate((b, hq, n, d), q.dtype, q.device)
     _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
         q, ck, cv, dout, lse, delta, *selection, dq, *args, *_bhm_strides(dq), *geometry,
-        **meta, **_launch_meta(dq_tiles),
+        KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
     )
     # Per query head partials, summed over each group below: no atomics, deterministic.
     dk_part = _allocate((b, hq, num_keys, d), torch.float32, q.device)
@@ -681,7 +718,8 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     if num_keys > 0:
         _attention_bwd_dkdv_kernel[(b * hq, triton.cdiv(num_keys, dkdv_tiles.block_n))](
             q, ck, cv, dout, lse, delta, *selection, dk_part, dv_part, *args, *geometry,
-            **meta, **_launch_meta(dkdv_tiles),
+            BLOCK_J=_blocks_per_key_tile(dkdv_tiles.block_n, geo), **meta,
+            **_launch_meta(dkdv_tiles),
         )
     dck = dk_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(ck.dtype)
     dcv = dv_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(cv.dtype)
