@@ -128,7 +128,8 @@ def test_resumed_run_logs_the_losses_of_an_uninterrupted_one(corpus, tmp_path):
     assert json.loads((tmp_path / "parts" / "config.json").read_text())["steps"] == 30
 
 
-def test_sigterm_checkpoints_the_last_step_and_the_run_resumes(corpus, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_checkpoints_the_last_step_and_the_run_resumes(signum, corpus, tmp_path):
     run_dir = tmp_path / "run"
     command = [sys.executable, str(REPO_ROOT / "train.py"), *SMALL_MODEL, "--data", str(corpus),
                "--run-dir", str(run_dir), "--steps", "100000", "--log-every", "1", "--checkpoint-every", "0"]
@@ -139,10 +140,10 @@ def test_sigterm_checkpoints_the_last_step_and_the_run_resumes(corpus, tmp_path)
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
         time.sleep(0.1)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr
-    assert "stopped by SIGTERM" in stdout
+    assert process.returncode == 128 + signum, stderr
+    assert f"stopped by {signum.name}" in stdout and "Traceback" not in stderr
 
     stopped_at = read_metrics(run_dir)[-1]["step"]
     assert checkpoint_step(latest_checkpoint(run_dir)) == stopped_at
@@ -154,14 +155,14 @@ def test_torchrun_trains_with_two_cpu_ranks(corpus, tmp_path):
     run_dir = tmp_path / "ddp"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(REPO_ROOT / "train.py"), *SMALL_MODEL, "--data", str(corpus), "--run-dir", str(run_dir),
-               "--steps", "3", "--log-every", "1", "--sample-every", "3"]
+               "--steps", "3", "--log-every", "1", "--sample-every", "3", "--grad-accum", "2"]
     result = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("done: 3 steps") == 1  # rank 0 alone reports
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["run"]["world_size"] == 2 and config["run"]["tokens_per_step"] == 2 * 4 * 64
+    assert config["run"]["world_size"] == 2 and config["run"]["tokens_per_step"] == 2 * 2 * 4 * 64
     assert checkpoint_step(latest_checkpoint(run_dir)) == 3
 
 
