@@ -174,7 +174,8 @@ class AttentionRecord:
         if missing:
             raise ValueError(
                 f"the recorder lacks {', '.join(missing)}: run a full forward pass on the PyTorch path "
-                "(on CPU, or with use_triton_kernel=False, whose fused kernels do not record them)"
+                "(on the CPU, or with use_triton_kernel and use_flex_attention off; the CUDA kernels "
+                "never materialise them)"
             )
         batch_size = recorder["gates"].shape[1]
         if not 0 <= batch_index < batch_size:

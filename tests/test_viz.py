@@ -281,7 +281,7 @@ def test_plots_reject_bad_input_with_clear_messages(call, error, message, shared
 
 def test_record_from_kernel_path_explains_what_is_missing():
     layer = make_layer()
-    with pytest.raises(ValueError, match="use_triton_kernel=False"):
+    with pytest.raises(ValueError, match="use_triton_kernel and use_flex_attention off"):
         viz.AttentionRecord.from_layer(layer, {"gates": torch.zeros(3, 1, HEADS, SEQ_LEN)})
 
 
