@@ -610,11 +610,17 @@ _CUDA_LAUNCH = {
 _SELECTION_LANES = 16
 
 
-def _launch(kernel: str, device: torch.device) -> _Launch:
-    if device.type == "cuda":
-        return _CUDA_LAUNCH[kernel]
-    # Interpreter: small tiles so that short test sequences still span several tiles.
-    return _Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
+def _launch(kernel: str, q: torch.Tensor) -> _Launch:
+    """Launch options of ``kernel`` for queries like ``q`` ([b, h, n, d])."""
+    if q.device.type != "cuda":
+        # Interpreter: small tiles so that short test sequences still span several tiles.
+        return _Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    tiles = _CUDA_LAUNCH[kernel]
+    if _block_d(q.shape[-1]) * q.element_size() > 128:
+        # Rows wider than the tuned 64 bf16 values: fewer stages and rows keep the
+        # pipelined tiles inside shared memory.
+        tiles = _Launch(min(tiles.block_m, 64), tiles.block_n, min(tiles.num_warps, 4), 2)
+    return tiles
 
 
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -645,7 +651,7 @@ def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.T
     """q: [b, hq, n, d], ck, cv: [b, hk, N, d] -> (out [b, hq, n, d], lse [b, hq, n] fp32)."""
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
-    tiles = _launch("forward", q.device)
+    tiles = _launch("forward", q)
     out = _allocate((b, hq, n, d), q.dtype, q.device)
     lse = _allocate((b, hq, n), torch.float32, q.device)
     grid = (b * hq, triton.cdiv(n, tiles.block_m))
@@ -681,7 +687,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     """
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
-    dq_tiles, dkdv_tiles = _launch("backward_dq", q.device), _launch("backward_dkdv", q.device)
+    dq_tiles, dkdv_tiles = _launch("backward_dq", q), _launch("backward_dkdv", q)
     block_d = _block_d(d)
 
     delta = _allocate((b, hq, n), torch.float32, q.device)
@@ -754,7 +760,7 @@ def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
     scores = _allocate(shape, torch.float32, q.device)
     if geo.num_selected == 0:
         return BlockSelection(indices, mask, scores)
-    tiles = _launch("select", q.device)
+    tiles = _launch("select", q)
     s_step, num_c_tiles = _chunk_layout(
         geo.compress_block_size, geo.compress_stride, geo.selection_block_size, tiles.block_n
     )
