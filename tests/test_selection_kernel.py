@@ -52,7 +52,7 @@ class Case:
     causal: bool = True
     window: int | None = None  # None: no sliding output
     sel_scale: bool = True
-    fine_n: int | None = None  # LaunchConfig.fine_n; None: the default
+    launch: tuple = ()  # LaunchConfig fields as (name, value) pairs; () for the default
     dtype: torch.dtype = torch.float32
     index_dtype: torch.dtype = torch.int64
     heads_last: bool = False  # q, k, v as transposed [b, n, h, d] views
@@ -104,8 +104,8 @@ def make_inputs(case: Case, seed: int):
 
 def run_kernels(case: Case, q, k, v, indices, fmask, sel_scale, monkeypatch=None):
     """out, sliding_out (or None), lse of native_sparse_attend."""
-    if case.fine_n is not None:
-        monkeypatch.setattr(selection_kernels, "default_launch_config", lambda *_: LaunchConfig(fine_n=case.fine_n))
+    if case.launch:
+        monkeypatch.setattr(selection_kernels, "default_launch_config", lambda *_: LaunchConfig(**dict(case.launch)))
     sliding = case.window is not None
     outputs = native_sparse_attend(
         q, k, v, case.block_size, indices, fmask, sel_scale=sel_scale, include_block_causal=case.causal,
@@ -117,8 +117,8 @@ def run_kernels(case: Case, q, k, v, indices, fmask, sel_scale, monkeypatch=None
 def reference(case: Case, q, k, v, indices, fmask, sel_scale, d_out, d_sliding, max_elements=2**27):
     """float64 out, sliding_out, lse and gradients of q, k, v, sel_scale.
 
-    Runs in chunks of queries small enough for the reference's [chunk, keys, d] gathers
-    and [chunk, n] logits, with the gradients accumulated over the chunks."""
+    Runs in chunks of queries small enough for the reference's [chunk, keys, d] tensors,
+    with the gradients accumulated over the chunks."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     s64 = None if sel_scale is None else sel_scale.detach().double().requires_grad_()
     gathered = case.b * case.hq * (case.num_slots + 1) * case.block_size * case.d
@@ -131,11 +131,16 @@ def reference(case: Case, q, k, v, indices, fmask, sel_scale, d_out, d_sliding, 
         (out * d_out[:, :, rows].double()).sum().backward()
         outs.append(out.detach()), lses.append(lse)
     slidings = []
-    for rows in _chunks(case.n, max_elements // (case.b * case.hq * case.n)) if case.window is not None else ():
-        sliding, _ = sliding_window_attend(q64[:, :, rows], k64, v64, case.window, causal=case.causal,
-                                           q_offset=rows.start)
-        (sliding * d_sliding[:, :, rows].double()).sum().backward()
-        slidings.append(sliding.detach())
+    if case.window is not None:
+        # A query chunk [start, end) sees only the keys [start - w, end + w).
+        w = case.window
+        per_row = max_elements / (case.b * case.hq * case.d)  # chunk * (chunk + 2w) elements
+        for rows in _chunks(case.n, int(math.sqrt(per_row + w * w) - w)):
+            lo, hi = max(rows.start - w, 0), (rows.stop if case.causal else rows.stop + w)
+            sliding, _ = sliding_window_attend(q64[:, :, rows], k64[:, :, lo:hi], v64[:, :, lo:hi], w,
+                                               causal=case.causal, q_offset=rows.start - lo)
+            (sliding * d_sliding[:, :, rows].double()).sum().backward()
+            slidings.append(sliding.detach())
     grads = (q64.grad, k64.grad, v64.grad, None if s64 is None else s64.grad)
     sliding = torch.cat(slidings, 2) if slidings else None
     return torch.cat(outs, 2), sliding, torch.cat(lses, 2), grads
@@ -197,7 +202,10 @@ CASES = {
     "per_query_head_fp16": Case(hq=2, hk=1, n=35, per_query_head=True, dtype=torch.float16),
     "group16_block32": Case(hq=16, hk=1, n=45, d=16, block_size=32, num_slots=2),
     "group1_d24_int32_no_sel_scale": Case(hq=1, hk=1, n=33, d=24, sel_scale=False, index_dtype=torch.int32),
-    "block32_fine16": Case(hq=2, hk=1, n=40, d=16, block_size=32, num_slots=2, fine_n=16),
+    # Fine tiles of 16 keys, and the dK / dV pass cut into phases of 8 queries and chunks
+    # of 3 entries, 16 rows a step, so that blocks get several atomically added chunks.
+    "block32_fine16_phases_chunks": Case(hq=2, hk=1, n=40, d=16, block_size=32, num_slots=2,
+                                         launch=(("fine_n", 16), ("dkv_phase", 8), ("dkv_chunk", 3), ("dkv_rows", 16))),
     "non_causal_block128": Case(hq=2, hk=1, n=40, d=16, block_size=128, num_slots=2, causal=False),
     "non_causal_sliding_per_head": Case(hq=2, hk=1, n=29, d=16, causal=False, window=6, per_query_head=True),
     "non_causal_block64_fp16_strided": Case(hq=2, hk=1, n=40, block_size=64, causal=False, dtype=torch.float16,

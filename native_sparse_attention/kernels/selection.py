@@ -11,28 +11,38 @@ SEL_SHARED_HEADS: query heads that share one selection row (HQ // HS, so GQA_SHA
     when the selection is per kv head, 1 when it is per query head)
 ROWS: rows of a program's query tile: SEL_SHARED_HEADS padded up to 16, the smallest M
     of tl.dot; the padded rows load zeros and are never stored
-SEL: selection slots per query; SEL_PAD: SEL rounded up to a power of two
+SEL: selection slots per query; NUM_SETS: key sets per query (the own block when CAUSAL,
+    then the SEL slots); SETS_PAD: NUM_SETS rounded up to a power of two
 BLOCK_SIZE: tokens per selection block; FINE_N: keys per fine block, a multiple of 16
     dividing BLOCK_SIZE; TILES_PER_BLOCK: BLOCK_SIZE // FINE_N
 WINDOW: the sliding window w; CAUSAL: include_block_causal (also makes the window causal)
+Entry: one (query i, selection head, key set) whose key set is a valid block; it owns
+    SEL_SHARED_HEADS query rows. M: query rows per step of _dkv_kernel
 
 Work decomposition
 ------------------
-Forward and main backward: one program per (query position i, batch z, selection head).
-Its ROWS rows are the query heads that read the same kv head and the same selected blocks
-at position i, so each key tile is loaded once for the whole group. Every coarse block
-(the query's own block first, then each slot) is walked as TILES_PER_BLOCK fine blocks:
-any multiple of 16 works as BLOCK_SIZE, and the own block stops at the tile holding i.
+Query side: one program per (query position i, selection head, batch z). Its ROWS rows
+are the query heads that read the same kv head and the same selected blocks at position
+i, so each key tile is loaded once for the whole group. Every key set is walked as
+TILES_PER_BLOCK fine blocks, so any multiple of 16 works as BLOCK_SIZE.
 
-- ``_fwd_kernel``: online softmax over the selected tiles, then (SLIDING) over the
+- ``_fwd_kernel``: online softmax over the key sets' tiles, then (SLIDING) over the
   window's tiles with a second accumulator, so both outputs come from one launch.
-- ``_bwd_kernel``: recomputes P per tile; dQ stays in registers (the program owns all of
-  its query's keys), dsel_scale is reduced per slot, and dK / dV of each tile go to
-  float32 buffers by atomic adds: a key block is selected by arbitrary queries, so no
-  program owns it. The rows of a tile are summed by the dot before the atomic, so a group
-  of G heads costs one atomic per key element, not G. With SLIDING it also adds the
-  window's dQ and writes delta = rowsum(dO * O) of the window for the kernel below.
-- ``_sliding_dkv_kernel``: one program per (key tile, batch z, kv head); the window is a
+- ``_dq_kernel``: recomputes P per tile; dQ stays in registers (the program owns all of
+  its query's keys, so no atomics), dsel_scale is reduced per slot, and delta =
+  rowsum(dO * O) is stored for the key side. With SLIDING it adds the window's dQ.
+
+Key side: a key block is selected by arbitrary queries, so no query-side program owns
+its dK / dV. Adding them atomically from the query side costs one float32 atomic per
+key element per (query, kv head): far more traffic than the keys themselves. Instead the
+selection is inverted on the device (``_key_block_entries``: a sort of the entries by
+key block), and
+
+- ``_dkv_kernel``: one program per chunk of the entries of one key block (and one phase
+  of queries, see LaunchConfig), one fine tile of it per grid column. It gathers the
+  entries' q and dO rows M at a time, keeps dK / dV of its keys in registers and adds
+  them to float32 accumulators once, atomically (several chunks may share a block).
+- ``_sliding_dkv_kernel``: one program per (key tile, kv head, batch z); the window is a
   band, so the queries that see a key tile are known and dK / dV of the window are
   accumulated in registers without atomics. It also adds the selection's float32
   accumulators and writes dK and dV in the input dtype.
@@ -50,10 +60,10 @@ import triton.language as tl
 
 __all__ = ["LaunchConfig", "default_launch_config", "selection_attention"]
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 MIN_ROWS = 16  # tl.dot needs M, N and K of at least 16
-
+MAX_DKV_PHASES = 64  # the key table of _dkv_kernel grows with phases x key blocks
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -97,15 +107,47 @@ def _load_tile(base, row_offsets, row_ok, offs_d, d_ok, stride_d):
 
 
 @triton.jit
-def _slot(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, slot, HAS_SEL_SCALE: tl.constexpr):
-    """Index of the slot's block, whether the slot is on, and its logit multiplier."""
-    block = tl.load(SEL_IDX + sel_row + slot).to(tl.int64)
-    on = (tl.load(SEL_MASK + sel_row + slot) != 0) & (block >= 0)
+def _key_sets(
+    SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, i, N,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_SEL_SCALE: tl.constexpr,
+):
+    """The query's NUM_SETS key sets in registers, [SETS_PAD] each: the own block first
+    when causal (NUM_SETS = SEL + 1), then one set per slot. Returns the block index (-1
+    for a masked slot or a negative index, clamped just past the end for an index beyond
+    it) and the logit multiplier.
+
+    Loading them before the key loop leaves the loop's key / value loads depending on
+    registers only, which lets the compiler prefetch them stages ahead.
+    """
+    sets = tl.arange(0, SETS_PAD)
+    slot = sets - (NUM_SETS - SEL)
+    is_slot = (slot >= 0) & (slot < SEL)
+    block = tl.load(SEL_IDX + sel_row + slot, mask=is_slot, other=-1).to(tl.int64)
+    on = tl.load(SEL_MASK + sel_row + slot, mask=is_slot, other=0) != 0
+    block = tl.where(on & (block >= 0), tl.minimum(block, N // BLOCK_SIZE + 1), -1).to(tl.int32)
+    if NUM_SETS > SEL:
+        block = tl.where(sets == 0, i // BLOCK_SIZE, block)
     if HAS_SEL_SCALE:
-        multiplier = tl.load(SEL_SCALE + sel_row + slot).to(tl.float32)
+        multiplier = tl.load(SEL_SCALE + sel_row + slot, mask=is_slot, other=1.0).to(tl.float32)
     else:
-        multiplier = 1.0
-    return block, on, multiplier
+        multiplier = tl.full([SETS_PAD], 1.0, tl.float32)
+    return block, multiplier
+
+
+@triton.jit
+def _pick(values, sets, s):
+    """Element s of a [SETS_PAD] register vector, as a scalar."""
+    return tl.sum(tl.where(sets == s, values, 0), 0)
+
+
+@triton.jit
+def _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr):
+    """Positions, validity and logit multiplier of the t-th FINE_N-key tile of the key sets."""
+    TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
+    s = t // TILES_PER_BLOCK
+    pos = _pick(blocks, sets, s) * BLOCK_SIZE + (t % TILES_PER_BLOCK) * FINE_N + offs_n
+    return pos, (pos >= 0) & (pos < key_end), _pick(multipliers, sets, s)
 
 
 @triton.jit
@@ -172,7 +214,7 @@ def _fwd_kernel(
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     N, HQ, HS, sm_scale,
-    SEL: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
@@ -193,21 +235,12 @@ def _fwd_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    key_end = N
-    if CAUSAL:
-        key_end = i + 1
-        own_start = (i // BLOCK_SIZE) * BLOCK_SIZE
-        for t in range(0, TILES_PER_BLOCK):
-            pos = own_start + t * FINE_N + offs_n
-            key_ok = pos < key_end
-            m_i, l_i, acc = _softmax_tile(
-                q, k_cols, v_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
-                scale2, m_i, l_i, acc, DOT_PRECISION,
-            )
-    for t in range(0, SEL * TILES_PER_BLOCK):
-        block, on, multiplier = _slot(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, t // TILES_PER_BLOCK, HAS_SEL_SCALE)
-        pos = block * BLOCK_SIZE + (t % TILES_PER_BLOCK) * FINE_N + offs_n
-        key_ok = on & (pos < key_end)
+    blocks, multipliers = _key_sets(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, i, N, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE,
+                                    HAS_SEL_SCALE)
+    sets = tl.arange(0, SETS_PAD)
+    key_end = i + 1 if CAUSAL else N
+    for t in range(0, NUM_SETS * TILES_PER_BLOCK):
+        pos, key_ok, multiplier = _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE, FINE_N)
         m_i, l_i, acc = _softmax_tile(
             q, k_cols, v_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
             scale2 * multiplier, m_i, l_i, acc, DOT_PRECISION,
@@ -235,19 +268,16 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_tile(
-    q, do, lse2, delta, k_cols, v_cols, dk_cols, dv_cols, pos, key_ok, kv_mask, stride_kn, stride_vn,
-    logit_scale, ds_scale, dq,
-    D: tl.constexpr, ACCUMULATE_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _dq_tile(
+    q, do, lse2, delta, k_cols, v_cols, pos, key_ok, kv_mask, stride_kn, stride_vn, logit_scale, ds_scale, dq,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Gradients of a [ROWS, D_PAD] query tile through the keys at ``pos``.
+    """dQ of a [ROWS, D_PAD] query tile through the keys at ``pos``.
 
     ``k_cols``, ``v_cols``: [1, D_PAD] pointers to the head's first key / value row;
-    ``dk_cols``, ``dv_cols``: the same in the float32 [Z, HKV, N, D] accumulators, which
-    get this tile's dK = dS^T Q and dV = P^T dO (summed over the rows by the dots) when
-    ACCUMULATE_KV. ``logit_scale`` turns q.k into base-2 logits, ``ds_scale`` is
-    d(logit)/d(q.k). Returns the updated dQ accumulator and sum(dL/dlogit * q.k), this
-    tile's dL/d(multiplier) up to the factor sm_scale.
+    ``logit_scale`` turns q.k into base-2 logits, ``ds_scale`` is d(logit)/d(q.k). Returns
+    the updated dQ accumulator and sum(dL/dlogit * q.k), the tile's dL/d(multiplier) up to
+    the factor sm_scale.
     """
     rows = pos.to(tl.int64)[:, None]
     k = tl.load(k_cols + rows * stride_kn, mask=kv_mask, other=0.0)
@@ -256,27 +286,31 @@ def _bwd_tile(
     p = tl.where(key_ok[None, :], tl.exp2(qk * logit_scale - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     dlogit = p * (dp - delta[:, None])
-    ds = (dlogit * ds_scale).to(k.dtype)
-    dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
-    if ACCUMULATE_KV:
-        dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        tl.atomic_add(dk_cols + rows * D, dk, mask=kv_mask, sem="relaxed")
-        tl.atomic_add(dv_cols + rows * D, dv, mask=kv_mask, sem="relaxed")
+    dq += tl.dot((dlogit * ds_scale).to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq, tl.sum(tl.sum(dlogit * qk, 1), 0)
 
 
 @triton.jit
-def _bwd_kernel(
-    Q, K, V, O, DO, LSE, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DK_ACC, DV_ACC,
+def _store_delta(DELTA, O, do, out_rows, lse_rows, row_ok, offs_d, d_ok):
+    """delta = rowsum(dO * O) of the rows (the softmax backward's correction), stored for
+    the key-side kernels and returned."""
+    o = _load_tile(O, out_rows, row_ok, offs_d, d_ok, 1)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + lse_rows, delta, mask=row_ok)
+    return delta
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, O, DO, LSE, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DELTA,
     SWA_O, SWA_DO, SWA_LSE, SWA_DELTA,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_doz, stride_doh, stride_don, stride_dod,
     stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
-    N, HQ, HKV, HS, sm_scale,
-    SEL: tl.constexpr, SEL_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
+    N, HQ, HS, sm_scale,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
@@ -291,63 +325,151 @@ def _bwd_kernel(
     out_rows = _dense_rows(z, heads, i, HQ, N, D)
     lse_rows = (z.to(tl.int64) * HQ + heads) * N + i
     q = _load_tile(Q, _strided_rows(z, heads, i, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
-    do = _load_tile(DO, _strided_rows(z, heads, i, stride_doz, stride_doh, stride_don), row_ok, offs_d, d_ok, stride_dod)
-    o = _load_tile(O, out_rows, row_ok, offs_d, d_ok, 1)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    do = _load_tile(DO, _strided_rows(z, heads, i, stride_doz, stride_doh, stride_don), row_ok, offs_d, d_ok,
+                    stride_dod)
+    delta = _store_delta(DELTA, O, do, out_rows, lse_rows, row_ok, offs_d, d_ok)
     lse2 = _load_lse2(LSE, lse_rows, row_ok)
     k_cols = K + _head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
     v_cols = V + _head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
-    acc_cols = _dense_rows(z, kv_head, 0, HKV, N, D) + offs_d[None, :]
-    dk_cols = DK_ACC + acc_cols
-    dv_cols = DV_ACC + acc_cols
     sel_row = ((z.to(tl.int64) * HS + sel_head) * N + i) * SEL
     scale2 = sm_scale * LOG2E
 
     dq = tl.zeros([ROWS, D_PAD], tl.float32)
-    key_end = N
-    if CAUSAL:
-        key_end = i + 1
-        own_start = (i // BLOCK_SIZE) * BLOCK_SIZE
-        for t in range(0, TILES_PER_BLOCK):
-            pos = own_start + t * FINE_N + offs_n
-            key_ok = pos < key_end
-            dq, _ = _bwd_tile(
-                q, do, lse2, delta, k_cols, v_cols, dk_cols, dv_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :],
-                stride_kn, stride_vn, scale2, sm_scale, dq, D, True, DOT_PRECISION,
-            )
-    slots = tl.arange(0, SEL_PAD)
-    dsel = tl.zeros([SEL_PAD], tl.float32)
-    for t in range(0, SEL * TILES_PER_BLOCK):
-        slot = t // TILES_PER_BLOCK
-        block, on, multiplier = _slot(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, slot, HAS_SEL_SCALE)
-        pos = block * BLOCK_SIZE + (t % TILES_PER_BLOCK) * FINE_N + offs_n
-        key_ok = on & (pos < key_end)
-        dq, dmult = _bwd_tile(
-            q, do, lse2, delta, k_cols, v_cols, dk_cols, dv_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :],
-            stride_kn, stride_vn, scale2 * multiplier, sm_scale * multiplier, dq, D, True, DOT_PRECISION,
+    blocks, multipliers = _key_sets(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, i, N, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE,
+                                    HAS_SEL_SCALE)
+    sets = tl.arange(0, SETS_PAD)
+    dsel = tl.zeros([SETS_PAD], tl.float32)
+    key_end = i + 1 if CAUSAL else N
+    for t in range(0, NUM_SETS * TILES_PER_BLOCK):
+        pos, key_ok, multiplier = _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE, FINE_N)
+        dq, dmult = _dq_tile(
+            q, do, lse2, delta, k_cols, v_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
+            scale2 * multiplier, sm_scale * multiplier, dq, DOT_PRECISION,
         )
-        dsel += tl.where(slots == slot, dmult, 0.0)
+        dsel += tl.where(sets == t // TILES_PER_BLOCK, dmult, 0.0)
     if HAS_SEL_SCALE:
-        tl.store(DSEL + sel_row + slots, dsel * sm_scale, mask=slots < SEL)
+        slot = sets - (NUM_SETS - SEL)
+        tl.store(DSEL + sel_row + slot, dsel * sm_scale, mask=(slot >= 0) & (slot < SEL))
 
     if SLIDING:
-        # The window's dK / dV come from _sliding_dkv_kernel; here only its dQ and delta.
+        # The window's dK / dV come from _sliding_dkv_kernel; here its dQ and delta.
         swa_do = _load_tile(
             SWA_DO, _strided_rows(z, heads, i, stride_sdoz, stride_sdoh, stride_sdon), row_ok, offs_d, d_ok, stride_sdod
         )
-        swa_o = _load_tile(SWA_O, out_rows, row_ok, offs_d, d_ok, 1)
-        swa_delta = tl.sum(swa_o.to(tl.float32) * swa_do.to(tl.float32), 1)
-        tl.store(SWA_DELTA + lse_rows, swa_delta, mask=row_ok)
+        swa_delta = _store_delta(SWA_DELTA, SWA_O, swa_do, out_rows, lse_rows, row_ok, offs_d, d_ok)
         swa_lse2 = _load_lse2(SWA_LSE, lse_rows, row_ok)
         lo, hi, first = _window_bounds(i, N, WINDOW, CAUSAL, FINE_N)
         for t in range(0, WINDOW_TILES):
             pos = first + t * FINE_N + offs_n
             key_ok = (pos >= lo) & (pos < hi)
-            dq, _ = _bwd_tile(
-                q, swa_do, swa_lse2, swa_delta, k_cols, v_cols, dk_cols, dv_cols, pos, key_ok,
-                key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, scale2, sm_scale, dq, D, False, DOT_PRECISION,
+            dq, _ = _dq_tile(
+                q, swa_do, swa_lse2, swa_delta, k_cols, v_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :],
+                stride_kn, stride_vn, scale2, sm_scale, dq, DOT_PRECISION,
             )
     tl.store(DQ + out_rows[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dkv_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv, DOT_PRECISION: tl.constexpr):
+    """dK, dV of a [BLOCK_N, D_PAD] key tile through a [M, D_PAD] tile of query rows.
+
+    ``visible``: [BLOCK_N, M]; ``lse2``, ``delta``, ``logit_scale``, ``ds_scale``: [M],
+    per query row (the last two may be scalars). Works on the transposed scores
+    [BLOCK_N, M], so that dK and dV come out of the dots as [BLOCK_N, D_PAD].
+    """
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    p_t = tl.where(visible, tl.exp2(qk_t * logit_scale - lse2[None, :]), 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :]) * ds_scale
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL: tl.constexpr, NUM_SETS: tl.constexpr,
+                SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr):
+    """Query rows of the entries ``[e0, e0 + M // ROWS_PER_ENTRY)`` (clipped at ``end``).
+
+    An entry is one (query i, selection head, key set) of batch z, packed as
+    ``i << 32 | sel_head * NUM_SETS + key_set`` so that decoding needs no division by a
+    run-time value (a 64-bit one costs ~100 instructions, and every step decodes M rows).
+    It owns SEL_SHARED_HEADS query rows, laid out at ROWS_PER_ENTRY (a power of two) rows
+    per entry. Returns per row: query position, query head, offset of the entry's slot in
+    the [Z, HS, N, SEL] selection tensors (-1 for the own block) and whether the row exists.
+    """
+    entry = e0 + rows // ROWS_PER_ENTRY
+    in_entry = rows % ROWS_PER_ENTRY
+    ok = (entry < end) & (in_entry < SEL_SHARED_HEADS)
+    packed = tl.load(ENTRIES + entry, mask=entry < end, other=0)
+    i = (packed >> 32).to(tl.int32)
+    head_and_set = packed.to(tl.int32)  # the low 32 bits
+    sel_head = head_and_set // NUM_SETS
+    slot = head_and_set % NUM_SETS - (NUM_SETS - SEL)
+    query = (z.to(tl.int64) * HS + sel_head) * N + i
+    slot_offset = tl.where(slot >= 0, query * SEL + slot, -1)
+    return i, sel_head * SEL_SHARED_HEADS + in_entry, slot_offset, ok
+
+
+@triton.jit
+def _dkv_kernel(
+    Q, K, V, DO, LSE, DELTA, SEL_SCALE, ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, DK_ACC, DV_ACC,
+    stride_qz, stride_qh, stride_qn, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_doz, stride_doh, stride_don, stride_dod,
+    Z, N, HQ, HKV, HS, NUM_BLOCKS, NUM_KEYS, sm_scale,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
+    SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr, CHUNK: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV of the selection for one fine tile of one key block, from one chunk of the
+    entries of one query phase that attend the block, added to the float32 accumulators."""
+    chunk = tl.program_id(0)
+    key = tl.load(CHUNK_KEY + chunk)  # ((phase * Z + z) * HKV + kv_head) * NUM_BLOCKS + block
+    if key < NUM_KEYS:  # else a spare program past the last chunk
+        z = (key // (HKV * NUM_BLOCKS)) % Z
+        kv_head = (key // NUM_BLOCKS) % HKV
+        pos = (key % NUM_BLOCKS) * BLOCK_SIZE + tl.program_id(1) * FINE_N + tl.arange(0, FINE_N)
+        key_ok = pos < N
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < D
+        k = _load_tile(K, _strided_rows(z, kv_head, pos, stride_kz, stride_kh, stride_kn), key_ok, offs_d, d_ok,
+                       stride_kd)
+        v = _load_tile(V, _strided_rows(z, kv_head, pos, stride_vz, stride_vh, stride_vn), key_ok, offs_d, d_ok,
+                       stride_vd)
+        first_entry = tl.load(KEY_FIRST_ENTRY + key)
+        start = first_entry + (chunk - tl.load(KEY_FIRST_CHUNK + key)) * CHUNK
+        end = tl.minimum(start + CHUNK, tl.load(KEY_FIRST_ENTRY + key + 1))
+        rows = tl.arange(0, M)
+        scale2 = sm_scale * LOG2E
+        dk = tl.zeros([FINE_N, D_PAD], tl.float32)
+        dv = tl.zeros([FINE_N, D_PAD], tl.float32)
+        for e0 in range(start, end, M // ROWS_PER_ENTRY):
+            i, head, slot_offset, row_ok = _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL, NUM_SETS,
+                                                       SEL_SHARED_HEADS, ROWS_PER_ENTRY)
+            q = _load_tile(Q, _strided_rows(z, head, i, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok,
+                           stride_qd)
+            do = _load_tile(DO, _strided_rows(z, head, i, stride_doz, stride_doh, stride_don), row_ok, offs_d, d_ok,
+                            stride_dod)
+            lse_rows = (z.to(tl.int64) * HQ + head) * N + i
+            lse2 = _load_lse2(LSE, lse_rows, row_ok)
+            delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
+            if HAS_SEL_SCALE:
+                multiplier = tl.load(SEL_SCALE + slot_offset, mask=row_ok & (slot_offset >= 0), other=1.0)
+                multiplier = multiplier.to(tl.float32)
+            else:
+                multiplier = 1.0
+            visible = key_ok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                visible = visible & (pos[:, None] <= i[None, :])
+            dk, dv = _dkv_tile(k, v, q, do, lse2, delta, visible, scale2 * multiplier, sm_scale * multiplier, dk, dv,
+                               DOT_PRECISION)
+        acc = _dense_rows(z, kv_head, pos, HKV, N, D)[:, None] + offs_d[None, :]
+        mask = key_ok[:, None] & d_ok[None, :]
+        tl.atomic_add(DK_ACC + acc, dk, mask=mask, sem="relaxed")
+        tl.atomic_add(DV_ACC + acc, dv, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -402,12 +524,8 @@ def _sliding_dkv_kernel(
                 in_window = (distance >= 0) & (distance <= WINDOW)
             else:
                 in_window = (distance >= -WINDOW) & (distance <= WINDOW)
-            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            p_t = tl.where(in_window & key_ok[:, None] & q_ok[None, :], tl.exp2(qk_t * scale2 - lse2[None, :]), 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+            dk, dv = _dkv_tile(k, v, q, do, lse2, delta, in_window & key_ok[:, None] & q_ok[None, :], scale2, 1.0,
+                               dk, dv, DOT_PRECISION)
     acc_rows = _dense_rows(z, kv_head, pos, HKV, N, D)
     dk = dk * sm_scale + _load_tile(DK_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
     dv = dv + _load_tile(DV_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
@@ -421,25 +539,38 @@ def _sliding_dkv_kernel(
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes and launch parameters of the three kernels.
+    """Tile sizes and launch parameters of the four kernels.
 
     ``fine_n`` is an upper bound: the kernels use the largest multiple of 16 that divides
     ``block_size`` by halving it, so every block size that is a multiple of 16 works.
+    ``dkv_chunk`` entries (query, key set) of one key block and one phase of
+    ``dkv_phase`` queries (None: all queries; longer when n needs more than
+    MAX_DKV_PHASES phases) go to one program of ``_dkv_kernel``, ``dkv_rows`` query rows
+    per step.
     """
 
     fine_n: int = 64
     fwd_warps: int = 4
-    fwd_stages: int = 3
-    bwd_warps: int = 4
-    bwd_stages: int = 2
-    dkv_block_n: int = 64
-    dkv_block_m: int = 64
+    fwd_stages: int = 2
+    dq_warps: int = 2
+    dq_stages: int = 2
+    dkv_chunk: int = 128
+    dkv_phase: int | None = 1024
+    dkv_rows: int = 32
     dkv_warps: int = 4
     dkv_stages: int = 2
+    window_block_n: int = 64
+    window_block_m: int = 64
+    window_warps: int = 4
+    window_stages: int = 2
 
 
 def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
-    """The configuration measured fastest on an H100 for this shape (see docs/kernel_notes.md)."""
+    """The configuration measured fastest on an H100 for the benchmark's configurations
+    (docs/benchmarks.md, selection section). Up to d = 64 two warps stream a forward
+    program's key tiles best, and the dK / dV pass prefers short steps over one phase."""
+    if head_dim <= 64:
+        return LaunchConfig(fwd_warps=2, dkv_rows=16, dkv_phase=None)
     return LaunchConfig()
 
 
@@ -485,6 +616,8 @@ class _Problem:
     def constexprs(self) -> dict:
         return dict(
             SEL=self.num_slots,
+            NUM_SETS=self.num_slots + self.causal,
+            SETS_PAD=triton.next_power_of_2(self.num_slots + self.causal) if self.num_slots + self.causal else 1,
             BLOCK_SIZE=self.block_size,
             FINE_N=self.fine_n,
             SEL_SHARED_HEADS=self.query_heads // self.selection_heads,
@@ -513,7 +646,7 @@ class _Problem:
     @property
     def sliding_query_tiles(self) -> int:
         """Query tiles of _sliding_dkv_kernel that cover every query seeing a key tile."""
-        block_n, block_m = self.config.dkv_block_n, self.config.dkv_block_m
+        block_n, block_m = self.config.window_block_n, self.config.window_block_m
         span = block_n + self.window if self.causal else block_n + 2 * self.window
         # Causal spans start at the key tile, which is block_m-aligned when block_m divides block_n.
         slack = 0 if self.causal and block_n % block_m == 0 else block_m - 1
@@ -522,6 +655,10 @@ class _Problem:
     @property
     def grid(self) -> tuple[int, int, int]:
         return (self.seq_len, self.selection_heads, self.batch)
+
+    @property
+    def num_blocks(self) -> int:
+        return triton.cdiv(self.seq_len, self.block_size)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -559,52 +696,130 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
     return out, lse, (swa_out if sliding else None), (swa_lse if sliding else None)
 
 
+@dataclass(frozen=True)
+class _KeyBlockEntries:
+    """The (query, key set) entries of the selection grouped by the key block they attend.
+
+    A key is ``((phase * b + z) * HKV + kv_head) * num_blocks + block``, where the phase
+    of query i is ``i // dkv_phase``. ``entries``: the (query, selection head, key set)
+    of each of the [b, hs, n, num_sets] key sets, packed as in ``_entry_rows``, sorted
+    by key (in query order within a key); key k owns
+    ``entries[first_entry[k]:first_entry[k + 1]]``, cut into chunks of ``chunk`` entries
+    numbered from ``first_chunk[k]``; ``chunk_key[p]`` is the key of chunk p, or
+    ``num_keys`` for the spare programs past the last chunk.
+    """
+
+    entries: torch.Tensor
+    first_entry: torch.Tensor
+    first_chunk: torch.Tensor
+    chunk_key: torch.Tensor
+    num_keys: int
+
+
+def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor) -> _KeyBlockEntries:
+    """Inverts the selection on the device, without a host synchronisation: the grid of
+    _dkv_kernel is an upper bound on the number of chunks, known from the shapes.
+
+    Keys are phase-major so that the programs running at the same time gather the q and
+    dO rows of one phase of queries, a working set that fits in L2 where whole q and dO
+    tensors may not. On the benchmark's configurations the gain measured within noise
+    of a single phase (which d <= 64 uses).
+    """
+    b, hs, n, bs = problem.batch, problem.selection_heads, problem.seq_len, problem.block_size
+    device = indices.device
+    num_blocks = problem.num_blocks
+    blocks = indices.long()
+    valid = fmask & (blocks >= 0) & (blocks < num_blocks)
+    if problem.causal:
+        own = (torch.arange(n, device=device) // bs).view(1, 1, n, 1)
+        valid &= blocks <= own  # a block starting after the query has no visible key
+        blocks = torch.cat((own.expand(b, hs, n, 1), blocks), dim=-1)
+        valid = torch.cat((torch.ones_like(valid[..., :1]), valid), dim=-1)
+    kv_head = torch.arange(hs, device=device).view(1, hs, 1, 1) // (hs // problem.kv_heads)
+    z = torch.arange(b, device=device).view(b, 1, 1, 1)
+    phase_length = max(problem.config.dkv_phase or n, triton.cdiv(n, MAX_DKV_PHASES))
+    phase = (torch.arange(n, device=device) // phase_length).view(1, 1, n, 1)
+    num_keys = triton.cdiv(n, phase_length) * b * problem.kv_heads * num_blocks
+    keys = ((phase * b + z) * problem.kv_heads + kv_head) * num_blocks + blocks
+    sorted_keys, order = torch.sort(torch.where(valid, keys, num_keys).flatten(), stable=True)
+    num_sets = blocks.shape[-1]
+    head_and_set = torch.arange(hs * num_sets, device=device).view(1, hs, 1, num_sets)
+    packed = (torch.arange(n, device=device).view(1, 1, n, 1) << 32) | head_and_set
+    entries = packed.expand(b, hs, n, num_sets).flatten()[order]
+    first_entry = torch.searchsorted(sorted_keys, torch.arange(num_keys + 1, device=device))
+    chunk = problem.config.dkv_chunk
+    chunks = (first_entry.diff() + chunk - 1) // chunk
+    chunk_end = chunks.cumsum(0)
+    max_chunks = triton.cdiv(sorted_keys.numel(), chunk) + num_keys
+    chunk_key = torch.searchsorted(chunk_end, torch.arange(max_chunks, device=device), right=True)
+    return _KeyBlockEntries(entries, first_entry, chunk_end - chunks, chunk_key.to(torch.int32), num_keys)
+
+
 def _backward(problem: _Problem, saved, d_out, d_swa_out):
     q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse = saved
     b, hq, hk, n, d = problem.batch, problem.query_heads, problem.kv_heads, problem.seq_len, problem.head_dim
-    config = problem.config
+    hs, config = problem.selection_heads, problem.config
     sliding = problem.window is not None and d_swa_out is not None
     if d_out is None:
         d_out = torch.zeros_like(out)
     dq = _empty((b, hq, n, d), q.dtype, q.device)
     dsel = _empty(indices.shape, torch.float32, q.device) if problem.has_sel_scale else None
-    dk_acc = torch.zeros((b, hk, n, d), dtype=torch.float32, device=q.device)
-    dv_acc = torch.zeros_like(dk_acc)
-    swa_delta = _empty((b, hq, n), torch.float32, q.device) if sliding else lse
+    delta = _empty((b, hq, n), torch.float32, q.device)
+    swa_delta = _empty((b, hq, n), torch.float32, q.device) if sliding else delta
     swa_out, swa_lse, d_swa_out = (swa_out, swa_lse, d_swa_out) if sliding else (out, lse, d_out)
     sel_idx, sel_mask, sel_scale_arg = _selection_operands(indices, fmask, sel_scale, lse)
-    _bwd_kernel[problem.grid](
+    _dq_kernel[problem.grid](
         q, k, v, out, d_out, lse, sel_idx, sel_mask, sel_scale_arg, dq,
-        dsel if dsel is not None and dsel.numel() else lse, dk_acc, dv_acc,
+        dsel if dsel is not None and dsel.numel() else lse, delta,
         swa_out, d_swa_out, swa_lse, swa_delta,
         *_strides(q), *_strides(k), *_strides(v), *_strides(d_out), *_strides(d_swa_out),
-        n, hq, hk, problem.selection_heads, problem.scale,
+        n, hq, hs, problem.scale,
         **problem.constexprs,
         **problem.window_constexprs(sliding),
-        SEL_PAD=triton.next_power_of_2(max(problem.num_slots, 1)),
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=config.bwd_warps,
-        num_stages=config.bwd_stages,
+        num_warps=config.dq_warps,
+        num_stages=config.dq_stages,
     )
+
+    dk_acc = torch.zeros((b, hk, n, d), dtype=torch.float32, device=q.device)
+    dv_acc = torch.zeros_like(dk_acc)
+    constexprs = problem.constexprs
+    if constexprs["NUM_SETS"]:
+        table = _key_block_entries(problem, indices, fmask)
+        rows_per_entry = triton.next_power_of_2(hq // hs)
+        _dkv_kernel[(table.chunk_key.numel(), problem.block_size // problem.fine_n)](
+            q, k, v, d_out, lse, delta, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
+            table.chunk_key, dk_acc, dv_acc,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
+            b, n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
+            **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
+                                                    "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
+            ROWS_PER_ENTRY=rows_per_entry,
+            M=max(config.dkv_rows, rows_per_entry),
+            CHUNK=config.dkv_chunk,
+            DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=config.dkv_warps,
+            num_stages=config.dkv_stages,
+        )
     if sliding:
         dk = _empty((b, hk, n, d), k.dtype, k.device)
         dv = _empty((b, hk, n, d), v.dtype, v.device)
-        grid = (triton.cdiv(n, config.dkv_block_n), hk, b)
+        grid = (triton.cdiv(n, config.window_block_n), hk, b)
         _sliding_dkv_kernel[grid](
             q, k, v, d_swa_out, swa_lse, swa_delta, dk_acc, dv_acc, dk, dv,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),
             n, hq, hk, problem.scale,
             GQA_SHARED_HEADS=hq // hk,
-            BLOCK_N=config.dkv_block_n,
-            BLOCK_M=config.dkv_block_m,
+            BLOCK_N=config.window_block_n,
+            BLOCK_M=config.window_block_m,
             D=d,
             D_PAD=_padded_head_dim(d),
             CAUSAL=problem.causal,
             WINDOW=problem.window,
             QUERY_TILES=problem.sliding_query_tiles,
             DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=config.dkv_warps,
-            num_stages=config.dkv_stages,
+            num_warps=config.window_warps,
+            num_stages=config.window_stages,
         )
     else:
         dk, dv = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
