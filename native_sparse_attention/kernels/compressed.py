@@ -16,13 +16,19 @@ NSEL = ceil(M / SBS). TOPN: blocks selected per query. HS: selection heads (HKV 
 group shares its selection, HQ otherwise); HEADS_PER_SELECTION query heads score each one.
 BLOCK_M: query tile; BLOCK_N: key tile; BLOCK_C: compressed keys per scoring tile;
 BLOCK_S: lanes of a chunk of selection blocks, S_STEP of them used.
+SEL, DSCORE: the chosen blocks ``[Z, HS, M, TOPN]`` and the gradient of their scores;
+G = dL/dP that DSCORE adds (nonzero on the compressed keys overlapping chosen blocks);
+KEYS_PER_BLOCK: compressed keys overlapping one selection block, at most; BLOCK_J:
+selection blocks that can overlap one key tile, padded.
 
 Kernels
 -------
 ``_attention_fwd_kernel``: flash forward over memory + compressed keys -> OUT, LSE.
 ``_output_grad_dot_kernel``: DELTA = rowsum(dOUT * OUT), the softmax-backward correction.
+``_attention_bwd_dq_kernel``: dQ; with SCORE_GRAD it first gathers the chosen blocks'
+keys for the scores' share of dQ and adds rowsum(P * G) to DELTA.
 ``_attention_bwd_dkdv_kernel``: per query head partial dK, dV (summed over the group on
-the host, which keeps the result deterministic). ``_attention_bwd_dq_kernel``: dQ.
+the host, which keeps the result deterministic); with SCORE_GRAD, dP gains G per tile.
 ``_select_blocks_kernel``: recomputes the probabilities ``exp(s - LSE)`` tile by tile, adds
 them into the selection blocks they overlap, and keeps a running top-n per query, so the
 ``[M, NC]`` probabilities and the ``[M, NSEL]`` importances never reach memory.
