@@ -211,6 +211,14 @@ CASES = {
     "non_causal_block64_fp16_strided": Case(hq=2, hk=1, n=40, block_size=64, causal=False, dtype=torch.float16,
                                             heads_last=True),
     "sliding_fp16_window0_d96": Case(hq=2, hk=1, n=21, d=96, num_slots=2, window=0, dtype=torch.float16),
+    # Window tiles of 4 positions x 4 rows (group 3 padded) walking keys 16 at a time, so
+    # that tiles start mid-window, cross key tiles and end past n.
+    "window_tiles_group3": Case(hq=6, hk=2, n=37, d=16, num_slots=2, window=9,
+                                launch=(("window_rows", 16), ("window_n", 16), ("window_dq_rows", 16),
+                                        ("window_dq_n", 16))),
+    "window_tiles_non_causal_group3": Case(hq=3, hk=1, n=30, d=16, num_slots=2, causal=False, window=7,
+                                           launch=(("window_rows", 32), ("window_n", 16),
+                                                   ("window_dq_rows", 16), ("window_dq_n", 32))),
 }
 
 

@@ -18,6 +18,9 @@ BLOCK_SIZE: tokens per selection block; FINE_N: keys per fine block, a multiple 
 WINDOW: the sliding window w; CAUSAL: include_block_causal (also makes the window causal)
 Entry: one (query i, selection head, key set) whose key set is a valid block; it owns
     SEL_SHARED_HEADS query rows. M: query rows per step of _dkv_kernel
+HEADS_PAD: SEL_SHARED_HEADS rounded up to a power of two; WINDOW_ROWS: rows of a window
+    tile, WINDOW_QUERIES (= WINDOW_ROWS // HEADS_PAD) positions of HEADS_PAD heads each;
+    WINDOW_N: keys per window key tile
 
 Work decomposition
 ------------------
@@ -26,11 +29,19 @@ are the query heads that read the same kv head and the same selected blocks at p
 i, so each key tile is loaded once for the whole group. Every key set is walked as
 TILES_PER_BLOCK fine blocks, so any multiple of 16 works as BLOCK_SIZE.
 
-- ``_fwd_kernel``: online softmax over the key sets' tiles, then (SLIDING) over the
-  window's tiles with a second accumulator, so both outputs come from one launch.
+- ``_fwd_kernel``: online softmax over the key sets' tiles. With SLIDING the same launch
+  also runs the window: its first NUM_WINDOW_TILES programs along axis 0 each take a
+  window tile (below), the others one query position each.
 - ``_dq_kernel``: recomputes P per tile; dQ stays in registers (the program owns all of
   its query's keys, so no atomics), dsel_scale is reduced per slot, and delta =
-  rowsum(dO * O) is stored for the key side. With SLIDING it adds the window's dQ.
+  rowsum(dO * O) is stored for the key side. With SLIDING it adds the window's dQ, which
+  ``_window_dq_kernel`` has left in a float32 buffer.
+
+Window tiles: neighbouring queries share almost all of their window, so the window runs
+flash-style over WINDOW_ROWS rows = WINDOW_QUERIES consecutive positions x HEADS_PAD
+heads (the selection program's heads, padded to a power of two), one key tile of
+WINDOW_N keys serving every row. A per-position program would read each window key
+WINDOW_QUERIES times as often.
 
 Key side: a key block is selected by arbitrary queries, so no query-side program owns
 its dK / dV. Adding them atomically from the query side costs one float32 atomic per
@@ -70,15 +81,24 @@ MAX_DKV_PHASES = 64  # the key table of _dkv_kernel grows with phases x key bloc
 
 
 @triton.jit
-def _program_rows(SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr):
-    """Query position, batch, selection head, kv head and query heads of this program."""
-    i = tl.program_id(0)
+def _program_heads(SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr):
+    """Batch, selection head, kv head and first query head of this program."""
     sel_head = tl.program_id(1)
     z = tl.program_id(2)
     first_head = sel_head * SEL_SHARED_HEADS
-    kv_head = first_head // GQA_SHARED_HEADS
-    rows = tl.arange(0, ROWS)
-    return i, z, sel_head, kv_head, first_head + rows, rows < SEL_SHARED_HEADS
+    return z, sel_head, first_head // GQA_SHARED_HEADS, first_head
+
+
+@triton.jit
+def _window_rows(tile, first_head, N, SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                 WINDOW_ROWS: tl.constexpr):
+    """Positions, query heads and existence of the rows of window tile ``tile``: row r is
+    head ``r % HEADS_PAD`` of the group at position ``tile * WINDOW_QUERIES + r // HEADS_PAD``."""
+    WINDOW_QUERIES: tl.constexpr = WINDOW_ROWS // HEADS_PAD
+    rows = tl.arange(0, WINDOW_ROWS)
+    i = tile * WINDOW_QUERIES + rows // HEADS_PAD
+    head_in_group = rows % HEADS_PAD
+    return i, first_head + head_in_group, (i < N) & (head_in_group < SEL_SHARED_HEADS)
 
 
 @triton.jit
@@ -151,31 +171,43 @@ def _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE: tl.cons
 
 
 @triton.jit
-def _window_bounds(i, N, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, FINE_N: tl.constexpr):
-    """Keys ``[lo, hi)`` of query i's sliding window and the FINE_N-aligned start of its first tile."""
-    lo = tl.maximum(i - WINDOW, 0)
+def _window_keys(tile, N, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_QUERIES: tl.constexpr,
+                 WINDOW_N: tl.constexpr):
+    """The WINDOW_N-aligned start and the end of the keys any row of window tile ``tile`` sees."""
+    first_query = tile * WINDOW_QUERIES
+    last_query = tl.minimum(first_query + WINDOW_QUERIES, N) - 1
     if CAUSAL:
-        hi = i + 1
+        hi = last_query + 1
     else:
-        hi = tl.minimum(i + WINDOW + 1, N)
-    return lo, hi, (lo // FINE_N) * FINE_N
+        hi = tl.minimum(last_query + WINDOW + 1, N)
+    return (tl.maximum(first_query - WINDOW, 0) // WINDOW_N) * WINDOW_N, hi
+
+
+@triton.jit
+def _in_window(i, pos, WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """[len(i), len(pos)]: key ``pos`` lies in query ``i``'s window."""
+    distance = i[:, None] - pos[None, :]
+    if CAUSAL:
+        return (distance >= 0) & (distance <= WINDOW)
+    return (distance >= -WINDOW) & (distance <= WINDOW)
 
 
 @triton.jit
 def _softmax_tile(
-    q, k_cols, v_cols, pos, key_ok, kv_mask, stride_kn, stride_vn, logit_scale, m_i, l_i, acc,
+    q, k_cols, v_cols, pos, visible, kv_mask, stride_kn, stride_vn, logit_scale, m_i, l_i, acc,
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step of a [ROWS, D_PAD] query tile over the keys at ``pos``.
 
     ``k_cols``, ``v_cols``: [1, D_PAD] pointers to the head's first key / value row;
-    ``kv_mask``: [FINE_N, D_PAD]; ``logit_scale`` turns q.k into base-2 logits.
+    ``visible``: [ROWS or 1, len(pos)]; ``kv_mask``: [len(pos), D_PAD]; ``logit_scale``
+    turns q.k into base-2 logits.
     """
     rows = pos.to(tl.int64)[:, None]
     k = tl.load(k_cols + rows * stride_kn, mask=kv_mask, other=0.0)
     v = tl.load(v_cols + rows * stride_vn, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * logit_scale
-    s = tl.where(key_ok[None, :], s, float("-inf"))
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -208,21 +240,21 @@ def _load_lse2(LSE, offsets, ok):
 
 
 @triton.jit
-def _fwd_kernel(
-    Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, SWA_O, SWA_LSE,
+def _selection_forward(
+    Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, i, z, sel_head, kv_head, first_head,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
-    N, HQ, HS, sm_scale,
+    N, HQ, HS, scale2,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
-    SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
-    SLIDING: tl.constexpr, WINDOW: tl.constexpr, WINDOW_TILES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SEL_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Selected attention of query position i for the program's ROWS query heads."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
-    i, z, sel_head, kv_head, heads, row_ok = _program_rows(SEL_SHARED_HEADS, GQA_SHARED_HEADS, ROWS)
+    rows = tl.arange(0, ROWS)
+    heads = first_head + rows
+    row_ok = rows < SEL_SHARED_HEADS
     offs_n = tl.arange(0, FINE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
@@ -230,7 +262,6 @@ def _fwd_kernel(
     k_cols = K + _head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
     v_cols = V + _head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
     sel_row = ((z.to(tl.int64) * HS + sel_head) * N + i) * SEL
-    scale2 = sm_scale * LOG2E
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -242,26 +273,82 @@ def _fwd_kernel(
     for t in range(0, NUM_SETS * TILES_PER_BLOCK):
         pos, key_ok, multiplier = _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE, FINE_N)
         m_i, l_i, acc = _softmax_tile(
-            q, k_cols, v_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
+            q, k_cols, v_cols, pos, key_ok[None, :], key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
             scale2 * multiplier, m_i, l_i, acc, DOT_PRECISION,
         )
     out_rows = _dense_rows(z, heads, i, HQ, N, D)
     lse_rows = (z.to(tl.int64) * HQ + heads) * N + i
     _store_attention(O, LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
 
-    if SLIDING:
-        lo, hi, first = _window_bounds(i, N, WINDOW, CAUSAL, FINE_N)
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, D_PAD], tl.float32)
-        for t in range(0, WINDOW_TILES):
-            pos = first + t * FINE_N + offs_n
-            key_ok = (pos >= lo) & (pos < hi)
-            m_i, l_i, acc = _softmax_tile(
-                q, k_cols, v_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
-                scale2, m_i, l_i, acc, DOT_PRECISION,
+
+@triton.jit
+def _window_forward(
+    Q, K, V, SWA_O, SWA_LSE, tile, z, kv_head, first_head,
+    stride_qz, stride_qh, stride_qn, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    N, HQ, scale2,
+    SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``."""
+    i, heads, row_ok = _window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
+    offs_n = tl.arange(0, WINDOW_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    q = _load_tile(Q, _strided_rows(z, heads, i, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
+    k_cols = K + _head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
+    v_cols = V + _head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
+
+    m_i = tl.full([WINDOW_ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([WINDOW_ROWS], tl.float32)
+    acc = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
+    first, hi = _window_keys(tile, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
+    for start in range(first, hi, WINDOW_N):
+        pos = start + offs_n
+        key_ok = pos < hi
+        m_i, l_i, acc = _softmax_tile(
+            q, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
+            key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, scale2, m_i, l_i, acc, DOT_PRECISION,
+        )
+    out_rows = _dense_rows(z, heads, i, HQ, N, D)
+    lse_rows = (z.to(tl.int64) * HQ + heads) * N + i
+    _store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, SWA_O, SWA_LSE,
+    stride_qz, stride_qh, stride_qn, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    N, HQ, HS, NUM_WINDOW_TILES, sm_scale,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
+    SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
+    SLIDING: tl.constexpr, WINDOW: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr,
+    WINDOW_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Programs [0, NUM_WINDOW_TILES) of axis 0 run window tiles (only with SLIDING), the
+    others query position ``program_id(0) - NUM_WINDOW_TILES`` of the selection."""
+    pid = tl.program_id(0)
+    z, sel_head, kv_head, first_head = _program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
+    scale2 = sm_scale * LOG2E
+    strides = (stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kn, stride_kd,
+               stride_vz, stride_vh, stride_vn, stride_vd)
+    if pid < NUM_WINDOW_TILES:
+        if SLIDING:
+            _window_forward(
+                Q, K, V, SWA_O, SWA_LSE, pid, z, kv_head, first_head, *strides, N, HQ, scale2,
+                SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS, WINDOW_N, D, D_PAD, CAUSAL, WINDOW, DOT_PRECISION,
             )
-        _store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
+    else:
+        _selection_forward(
+            Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, pid - NUM_WINDOW_TILES, z, sel_head, kv_head, first_head,
+            *strides, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS, ROWS, D, D_PAD,
+            CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
+        )
 
 
 # ----------------------------------------------------------------------------- backward
@@ -269,13 +356,13 @@ def _fwd_kernel(
 
 @triton.jit
 def _dq_tile(
-    q, do, lse2, delta, k_cols, v_cols, pos, key_ok, kv_mask, stride_kn, stride_vn, logit_scale, ds_scale, dq,
+    q, do, lse2, delta, k_cols, v_cols, pos, visible, kv_mask, stride_kn, stride_vn, logit_scale, ds_scale, dq,
     DOT_PRECISION: tl.constexpr,
 ):
     """dQ of a [ROWS, D_PAD] query tile through the keys at ``pos``.
 
     ``k_cols``, ``v_cols``: [1, D_PAD] pointers to the head's first key / value row;
-    ``logit_scale`` turns q.k into base-2 logits, ``ds_scale`` is d(logit)/d(q.k). Returns
+    ``visible``: [ROWS or 1, len(pos)]; ``logit_scale`` turns q.k into base-2 logits, ``ds_scale`` is d(logit)/d(q.k). Returns
     the updated dQ accumulator and sum(dL/dlogit * q.k), the tile's dL/d(multiplier) up to
     the factor sm_scale.
     """
@@ -283,7 +370,7 @@ def _dq_tile(
     k = tl.load(k_cols + rows * stride_kn, mask=kv_mask, other=0.0)
     v = tl.load(v_cols + rows * stride_vn, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    p = tl.where(key_ok[None, :], tl.exp2(qk * logit_scale - lse2[:, None]), 0.0)
+    p = tl.where(visible, tl.exp2(qk * logit_scale - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     dlogit = p * (dp - delta[:, None])
     dq += tl.dot((dlogit * ds_scale).to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -301,25 +388,16 @@ def _store_delta(DELTA, O, do, out_rows, lse_rows, row_ok, offs_d, d_ok):
 
 
 @triton.jit
-def _dq_kernel(
-    Q, K, V, O, DO, LSE, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DELTA,
-    SWA_O, SWA_DO, SWA_LSE, SWA_DELTA,
+def _backward_rows(
+    Q, O, DO, LSE, DELTA, K, V, z, heads, i, row_ok, kv_head,
     stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
     stride_doz, stride_doh, stride_don, stride_dod,
-    stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
-    N, HQ, HS, sm_scale,
-    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
-    SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
-    SLIDING: tl.constexpr, WINDOW: tl.constexpr, WINDOW_TILES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    N, HQ, D: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
-    i, z, sel_head, kv_head, heads, row_ok = _program_rows(SEL_SHARED_HEADS, GQA_SHARED_HEADS, ROWS)
-    offs_n = tl.arange(0, FINE_N)
+    """Query-side state of a backward program's rows ``[z, heads, i]``: q, dO, delta (also
+    stored), base-2 LSE, [1, D_PAD] pointers to the kv head's first key / value row, and
+    the rows' offsets in the dense [Z, HQ, N, D] outputs."""
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     out_rows = _dense_rows(z, heads, i, HQ, N, D)
@@ -331,6 +409,39 @@ def _dq_kernel(
     lse2 = _load_lse2(LSE, lse_rows, row_ok)
     k_cols = K + _head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
     v_cols = V + _head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
+    return q, do, delta, lse2, k_cols, v_cols, out_rows
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, O, DO, LSE, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DELTA, DQ_WINDOW,
+    stride_qz, stride_qh, stride_qn, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_doz, stride_doh, stride_don, stride_dod,
+    N, HQ, HS, sm_scale,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
+    SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dQ, dsel_scale and delta of the selection for query position ``program_id(0)``;
+    with SLIDING, dQ also gets the window's part from the float32 buffer DQ_WINDOW."""
+    TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
+    i = tl.program_id(0)
+    z, sel_head, kv_head, first_head = _program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
+    rows = tl.arange(0, ROWS)
+    heads = first_head + rows
+    row_ok = rows < SEL_SHARED_HEADS
+    offs_n = tl.arange(0, FINE_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    q, do, delta, lse2, k_cols, v_cols, out_rows = _backward_rows(
+        Q, O, DO, LSE, DELTA, K, V, z, heads, i, row_ok, kv_head,
+        stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
+        stride_doz, stride_doh, stride_don, stride_dod, N, HQ, D, D_PAD,
+    )
     sel_row = ((z.to(tl.int64) * HS + sel_head) * N + i) * SEL
     scale2 = sm_scale * LOG2E
 
@@ -343,30 +454,53 @@ def _dq_kernel(
     for t in range(0, NUM_SETS * TILES_PER_BLOCK):
         pos, key_ok, multiplier = _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE, FINE_N)
         dq, dmult = _dq_tile(
-            q, do, lse2, delta, k_cols, v_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
-            scale2 * multiplier, sm_scale * multiplier, dq, DOT_PRECISION,
+            q, do, lse2, delta, k_cols, v_cols, pos, key_ok[None, :], key_ok[:, None] & d_ok[None, :], stride_kn,
+            stride_vn, scale2 * multiplier, sm_scale * multiplier, dq, DOT_PRECISION,
         )
         dsel += tl.where(sets == t // TILES_PER_BLOCK, dmult, 0.0)
     if HAS_SEL_SCALE:
         slot = sets - (NUM_SETS - SEL)
         tl.store(DSEL + sel_row + slot, dsel * sm_scale, mask=(slot >= 0) & (slot < SEL))
-
     if SLIDING:
-        # The window's dK / dV come from _sliding_dkv_kernel; here its dQ and delta.
-        swa_do = _load_tile(
-            SWA_DO, _strided_rows(z, heads, i, stride_sdoz, stride_sdoh, stride_sdon), row_ok, offs_d, d_ok, stride_sdod
-        )
-        swa_delta = _store_delta(SWA_DELTA, SWA_O, swa_do, out_rows, lse_rows, row_ok, offs_d, d_ok)
-        swa_lse2 = _load_lse2(SWA_LSE, lse_rows, row_ok)
-        lo, hi, first = _window_bounds(i, N, WINDOW, CAUSAL, FINE_N)
-        for t in range(0, WINDOW_TILES):
-            pos = first + t * FINE_N + offs_n
-            key_ok = (pos >= lo) & (pos < hi)
-            dq, _ = _dq_tile(
-                q, swa_do, swa_lse2, swa_delta, k_cols, v_cols, pos, key_ok, key_ok[:, None] & d_ok[None, :],
-                stride_kn, stride_vn, scale2, sm_scale, dq, DOT_PRECISION,
-            )
+        dq += _load_tile(DQ_WINDOW, out_rows, row_ok, offs_d, d_ok, 1)
     tl.store(DQ + out_rows[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _window_dq_kernel(
+    Q, K, V, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, DQ_WINDOW,
+    stride_qz, stride_qh, stride_qn, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
+    N, HQ, sm_scale,
+    SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The window's dQ (float32, into DQ_WINDOW) and delta of window tile ``program_id(0)``."""
+    z, sel_head, kv_head, first_head = _program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
+    tile = tl.program_id(0)
+    i, heads, row_ok = _window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
+    offs_n = tl.arange(0, WINDOW_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    q, do, delta, lse2, k_cols, v_cols, out_rows = _backward_rows(
+        Q, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, K, V, z, heads, i, row_ok, kv_head,
+        stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
+        stride_sdoz, stride_sdoh, stride_sdon, stride_sdod, N, HQ, D, D_PAD,
+    )
+
+    dq = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
+    first, hi = _window_keys(tile, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
+    for start in range(first, hi, WINDOW_N):
+        pos = start + offs_n
+        key_ok = pos < hi
+        dq, _ = _dq_tile(
+            q, do, lse2, delta, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
+            key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, sm_scale * LOG2E, sm_scale, dq, DOT_PRECISION,
+        )
+    tl.store(DQ_WINDOW + out_rows[:, None] + offs_d[None, :], dq, mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -539,14 +673,18 @@ def _sliding_dkv_kernel(
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes and launch parameters of the four kernels.
+    """Tile sizes and launch parameters of the kernels.
 
     ``fine_n`` is an upper bound: the kernels use the largest multiple of 16 that divides
     ``block_size`` by halving it, so every block size that is a multiple of 16 works.
     ``dkv_chunk`` entries (query, key set) of one key block and one phase of
     ``dkv_phase`` queries (None: all queries; longer when n needs more than
     MAX_DKV_PHASES phases) go to one program of ``_dkv_kernel``, ``dkv_rows`` query rows
-    per step.
+    per step. The forward's window tiles have ``window_rows`` rows (raised to the padded
+    group when smaller) and walk keys ``window_n`` at a time with the launch's warps;
+    ``window_dq_rows`` and ``window_dq_n`` are the same for ``_window_dq_kernel``.
+    ``_sliding_dkv_kernel`` takes ``window_block_n`` keys and ``window_block_m`` query
+    rows per step.
     """
 
     fine_n: int = 64
@@ -559,6 +697,12 @@ class LaunchConfig:
     dkv_rows: int = 32
     dkv_warps: int = 4
     dkv_stages: int = 2
+    window_rows: int = 64
+    window_n: int = 32
+    window_dq_rows: int = 64
+    window_dq_n: int = 64
+    window_dq_warps: int = 4
+    window_dq_stages: int = 2
     window_block_n: int = 64
     window_block_m: int = 64
     window_warps: int = 4
@@ -570,8 +714,8 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype) ->
     (docs/benchmarks.md, selection section). Up to d = 64 two warps stream a forward
     program's key tiles best, and the dK / dV pass prefers short steps over one phase."""
     if head_dim <= 64:
-        return LaunchConfig(fwd_warps=2, dkv_rows=16, dkv_phase=None)
-    return LaunchConfig()
+        return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=16, dkv_phase=None)
+    return LaunchConfig(fwd_stages=3)
 
 
 def _fine_block(block_size: int, preferred: int) -> int:
@@ -633,15 +777,22 @@ class _Problem:
     def fine_n(self) -> int:
         return _fine_block(self.block_size, self.config.fine_n)
 
-    def window_constexprs(self, sliding: bool) -> dict:
-        """The window and how many FINE_N tiles cover it from an aligned start.
+    @property
+    def heads_pad(self) -> int:
+        return triton.next_power_of_2(self.query_heads // self.selection_heads)
 
-        A window of keys [lo, hi) starts its first tile at most FINE_N - 1 keys before lo.
-        """
-        if not sliding:
-            return dict(SLIDING=False, WINDOW=0, WINDOW_TILES=0)
-        span = (self.window + 1) if self.causal else (2 * self.window + 1)
-        return dict(SLIDING=True, WINDOW=self.window, WINDOW_TILES=triton.cdiv(span + self.fine_n - 1, self.fine_n))
+    def window_tile(self, for_dq: bool) -> tuple[int, int]:
+        """Rows and key tile of the forward's (or _window_dq_kernel's) window tiles."""
+        config = self.config
+        rows, keys = (config.window_dq_rows, config.window_dq_n) if for_dq else (config.window_rows, config.window_n)
+        return max(rows, MIN_ROWS, self.heads_pad), keys
+
+    def num_window_tiles(self, for_dq: bool) -> int:
+        return triton.cdiv(self.seq_len, self.window_tile(for_dq)[0] // self.heads_pad)
+
+    def window_constexprs(self, for_dq: bool) -> dict:
+        rows, keys = self.window_tile(for_dq)
+        return dict(WINDOW=self.window, HEADS_PAD=self.heads_pad, WINDOW_ROWS=rows, WINDOW_N=keys)
 
     @property
     def sliding_query_tiles(self) -> int:
@@ -655,6 +806,7 @@ class _Problem:
     @property
     def grid(self) -> tuple[int, int, int]:
         return (self.seq_len, self.selection_heads, self.batch)
+
 
     @property
     def num_blocks(self) -> int:
@@ -683,12 +835,16 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
     swa_out = _empty((b, hq, n, d), q.dtype, q.device) if sliding else out
     swa_lse = _empty((b, hq, n), torch.float32, q.device) if sliding else lse
     sel_idx, sel_mask, sel_scale = _selection_operands(indices, fmask, sel_scale, lse)
-    _fwd_kernel[problem.grid](
+    window_tiles = problem.num_window_tiles(for_dq=False) if sliding else 0
+    window = problem.window_constexprs(for_dq=False) if sliding else dict(WINDOW=0, HEADS_PAD=1, WINDOW_ROWS=1,
+                                                                            WINDOW_N=1)
+    _fwd_kernel[(window_tiles + n, problem.selection_heads, b)](
         q, k, v, sel_idx, sel_mask, sel_scale, out, lse, swa_out, swa_lse,
         *_strides(q), *_strides(k), *_strides(v),
-        n, hq, problem.selection_heads, problem.scale,
+        n, hq, problem.selection_heads, window_tiles, problem.scale,
         **problem.constexprs,
-        **problem.window_constexprs(sliding),
+        **window,
+        SLIDING=sliding,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=problem.config.fwd_warps,
         num_stages=problem.config.fwd_stages,
@@ -765,17 +921,29 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     dq = _empty((b, hq, n, d), q.dtype, q.device)
     dsel = _empty(indices.shape, torch.float32, q.device) if problem.has_sel_scale else None
     delta = _empty((b, hq, n), torch.float32, q.device)
-    swa_delta = _empty((b, hq, n), torch.float32, q.device) if sliding else delta
-    swa_out, swa_lse, d_swa_out = (swa_out, swa_lse, d_swa_out) if sliding else (out, lse, d_out)
+    swa_delta = _empty((b, hq, n), torch.float32, q.device) if sliding else None
     sel_idx, sel_mask, sel_scale_arg = _selection_operands(indices, fmask, sel_scale, lse)
+    dq_window = lse
+    if sliding:
+        dq_window = _empty((b, hq, n, d), torch.float32, q.device)
+        _window_dq_kernel[(problem.num_window_tiles(for_dq=True), hs, b)](
+            q, k, v, swa_out, d_swa_out, swa_lse, swa_delta, dq_window,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),
+            n, hq, problem.scale,
+            SEL_SHARED_HEADS=hq // hs, GQA_SHARED_HEADS=hq // hk,
+            **problem.window_constexprs(for_dq=True),
+            D=d, D_PAD=_padded_head_dim(d), CAUSAL=problem.causal,
+            DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=config.window_dq_warps,
+            num_stages=config.window_dq_stages,
+        )
     _dq_kernel[problem.grid](
         q, k, v, out, d_out, lse, sel_idx, sel_mask, sel_scale_arg, dq,
-        dsel if dsel is not None and dsel.numel() else lse, delta,
-        swa_out, d_swa_out, swa_lse, swa_delta,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(d_out), *_strides(d_swa_out),
+        dsel if dsel is not None and dsel.numel() else lse, delta, dq_window,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
         n, hq, hs, problem.scale,
         **problem.constexprs,
-        **problem.window_constexprs(sliding),
+        SLIDING=sliding,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.dq_warps,
         num_stages=config.dq_stages,
