@@ -709,13 +709,14 @@ class LaunchConfig:
     window_stages: int = 2
 
 
-def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
-    """The configuration measured fastest on an H100 for the benchmark's configurations
-    (docs/benchmarks.md, selection section). Up to d = 64 two warps stream a forward
-    program's key tiles best, and the dK / dV pass prefers short steps over one phase."""
+def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sliding: bool = False) -> LaunchConfig:
+    """The configuration measured fastest on an H100 for the benchmarks' configurations
+    (docs/benchmarks.md). Up to d = 64 two warps stream a forward program's key tiles
+    best, and the dK / dV pass prefers short steps over one phase. At d = 128 a third
+    stage pays off only when the launch also runs window tiles."""
     if head_dim <= 64:
         return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=16, dkv_phase=None)
-    return LaunchConfig(fwd_stages=3)
+    return LaunchConfig(fwd_stages=3 if sliding else 2)
 
 
 def _fine_block(block_size: int, preferred: int) -> int:
@@ -1034,7 +1035,7 @@ def selection_attention(
     """
     b, hq, n, d = q.shape
     if config is None:
-        config = default_launch_config(block_size, d, q.dtype)
+        config = default_launch_config(block_size, d, q.dtype, sliding_window_size is not None)
     problem = _Problem(
         batch=b,
         query_heads=hq,
