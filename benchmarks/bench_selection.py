@@ -342,8 +342,10 @@ def bottleneck_text(rows: list[dict], tflops: float) -> str:
         "values needs fewer bytes per query (selections shared by neighbouring queries, as trained NSA models "
         "produce, would let one program reuse a block across a query tile), not faster arithmetic. At the "
         "shortest lengths the forward + backward hardly scales with n (the table's first rows of each "
-        "config): a per-call cost of the backward, not yet broken down, which leaves dense attention faster "
-        "there."
+        "config): there the backward is bound by host time, not by the GPU (on the same H100, Python's "
+        "profiler puts about 1.3 ms per call in the inversion's two dozen small PyTorch ops and about 0.1 ms "
+        "in each Triton launch), which leaves dense attention faster at short lengths unless the step is "
+        "replayed from a CUDA graph."
     )
 
 
