@@ -1,0 +1,106 @@
+"""The fused rotary kernel against the PyTorch rotary embedding in float64: forward and
+gradient.
+
+Without CUDA the kernel runs under the Triton interpreter (set up in conftest.py) on
+float32 and float16 inputs; its output starts as NaN, so an element it forgets to write
+fails the comparison. The ``gpu`` test runs the layer's sizes in bf16, fp16 and fp32.
+"""
+
+import os
+
+import pytest
+import torch
+from einops import rearrange
+
+from native_sparse_attention.kernels import rotary as rotary_kernels
+from native_sparse_attention.kernels.rotary import apply_rotary
+from native_sparse_attention.rotary import RotaryEmbedding
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+# (atol, rtol) against float64: the output's rounding, plus the float32 sine and cosine.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (1e-5, 1e-3),
+    torch.bfloat16: (1e-5, 8e-3),
+}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_output(monkeypatch):
+    monkeypatch.setattr(
+        rotary_kernels, "_empty",
+        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device),
+    )
+
+
+def projected_heads(b, h, n, d, dtype, seed):
+    """[b, h, n, d] as the layer's projection hands it over: a head-splitting view of
+    [b, n, (h + 1) * d], whose last head stands for the other projections' columns."""
+    gen = torch.Generator().manual_seed(seed)
+    projection = torch.randn(b, n, (h + 1) * d, generator=gen).to(DEVICE, dtype)
+    return rearrange(projection[..., : h * d], "b n (h d) -> b h n d", h=h)
+
+
+def check_against_float64(b, h, n, d, offset, dtype, seed=0):
+    t = projected_heads(b, h, n, d, dtype, seed).detach().requires_grad_()
+    rotary = RotaryEmbedding(d).to(DEVICE)
+    out = apply_rotary(t, rotary.inv_freq, offset)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
+    out.backward(dout)
+
+    t64 = t.detach().double().requires_grad_()
+    expected = rotary(t64, offset)
+    expected.backward(dout.double())
+    atol, rtol = TOLERANCES[dtype]
+    assert out.shape == (b, h, n, d) and out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+    assert t.grad.dtype == dtype
+    torch.testing.assert_close(t.grad.double(), t64.grad, atol=atol, rtol=rtol)
+
+
+# Two tiles of tokens with an odd tail; 9 heads fill one program and part of another;
+# a decoding step (one token far into the sequence, where the angles need reducing).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b, h, n, d, offset", [
+    (2, 3, 77, 64, 0),
+    (1, 9, 45, 48, 40_000),
+    (2, 2, 1, 64, 65_535),
+])
+def test_matches_pytorch_rotary(b, h, n, d, offset, dtype):
+    check_against_float64(b, h, n, d, offset, dtype)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("offset", [0, 57_344])
+def test_matches_pytorch_rotary_at_layer_size(dtype, offset):
+    check_against_float64(1, 32, 8192, 64, offset, dtype)
+
+
+def test_cpu_tensors_take_the_pytorch_path(monkeypatch):
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the rotary kernel ran on a CPU tensor")
+
+    monkeypatch.setattr(rotary_kernels, "apply_rotary", no_kernel)
+    t = torch.randn(1, 2, 5, 8)
+    assert RotaryEmbedding(8)(t, offset=3).shape == t.shape
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(d=7), ValueError, "even d"),
+    (dict(dtype=torch.float64), ValueError, "float16"),
+    (dict(freqs=3), ValueError, "inv_freq"),
+    (dict(offset=1.0), TypeError, "offset"),
+])
+def test_rejects_invalid_arguments(change, error, message):
+    d = change.get("d", 8)
+    t = torch.zeros(1, 2, 3, d, dtype=change.get("dtype", torch.float32), device=DEVICE)
+    inv_freq = torch.ones(change.get("freqs", d // 2), device=DEVICE)
+    with pytest.raises(error, match=message):
+        apply_rotary(t, inv_freq, change.get("offset", 0))
