@@ -88,6 +88,18 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype, when autocast is on, for both the qkv and the gate projections.
+
+    Left to autocast, each projection makes its own copy of x (a pass over [b, n, dim]),
+    and the backward casts both gradients to float32 to sum them; with one copy they are
+    summed in autocast's dtype and cast once."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x
+    return x.to(torch.get_autocast_dtype(device))
+
+
 def _straight_through(scores: torch.Tensor) -> torch.Tensor:
     """Equals 1 in the forward pass; passes the gradient to ``scores`` unchanged."""
     return scores + (1.0 - scores).detach()
@@ -123,7 +135,8 @@ class SparseAttention(nn.Module):
         compress_mlp_expand_factor: hidden width of the default compression MLP relative
             to its input (``compress_block_size * dim_head``).
         strategy_combine_mlp: module mapping the normed input ``[b, n, dim]`` to the gate
-            logits ``[b, n, 3 * heads]``; defaults to a linear layer.
+            logits ``[b, n, 3 * heads]``; defaults to a linear layer. Under autocast the
+            fast paths hand it the normed input already in autocast's dtype.
         use_flex_attention: on CUDA run the selected and sliding branches through PyTorch
             FlexAttention block masks (an alternative to ``use_triton_kernel``; the
             compressed branch and the selection still run on the Triton kernels).
@@ -274,12 +287,14 @@ class SparseAttention(nn.Module):
         if return_cache and not self.causal:
             raise ValueError("return_cache needs a causal layer (causal=True)")
 
+        fast = self._use_fast_path(x)
         x_normed = self.norm(x)
+        if fast:
+            x_normed = _in_autocast_dtype(x_normed)
         q, k, v = self._project(x_normed)
         ck, cv = self._compress(k, v)
         rq, rk = self.rotary(q), self.rotary(k)
 
-        fast = self._use_fast_path(x)
         if fast:
             compressed_out, selection = self._kernel_compressed_branch(q, ck, cv)
             branches = self._kernel_branches if self.use_triton_kernel else self._flex_branches
