@@ -40,6 +40,9 @@ __all__ = ["flex_selected_and_sliding"]
 
 # Gradients of tensors captured by a score_mod arrived in torch 2.6 (pytorch/pytorch#137452).
 _CAPTURED_GRADS = Version(torch.__version__.split("+")[0]) >= Version("2.6")
+# With the sel_scale score_mod under bf16, the default three-stage forward config needs
+# 247,808 bytes of shared memory on an H100 (limit 232,448; torch 2.11); two stages fit.
+_SCORE_MOD_KERNEL_OPTIONS = {"fwd_num_stages": 2, "bwd_num_stages": 2}
 
 
 @functools.cache
@@ -258,7 +261,8 @@ def flex_selected_and_sliding(
     if sel_scale is not None:
         scale_dtype = torch.float64 if rq.dtype == torch.float64 else torch.float32
         score_mod = _selected_score_mod(slot_blocks, sel_scale, hq, block_size, causal, scale_dtype)
-    selected_out = _attend(rq, rk, v, score_mod=score_mod, block_mask=selected_mask)
+    selected_out = _attend(rq, rk, v, score_mod=score_mod, block_mask=selected_mask,
+                           kernel_options=_SCORE_MOD_KERNEL_OPTIONS if score_mod is not None else None)
 
     sliding_mask = _sliding_block_mask(n, sliding_window_size, causal, tile_size, rq.device)
     sliding_out = _attend(rq, rk, v, block_mask=sliding_mask)
