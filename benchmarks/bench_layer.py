@@ -7,7 +7,9 @@ layer runs its Triton path (``use_triton_kernel=True``), the dense layer is
 ``FullAttention`` (SDPA, flash) with the same projections and rotary embeddings.
 
 Timings are CUDA-event medians (``triton.testing.do_bench``) of a training step's
-forward (autograd on) and of forward + backward with an fp32 input that requires grad.
+forward (autograd on) and of forward + backward with an fp32 input that requires grad,
+launched eagerly and, for forward + backward, also replayed from a CUDA graph (the GPU
+time without Python and launch overhead, which dominates short sequences).
 Peak memory is ``torch.cuda.max_memory_allocated`` over one forward + backward, counted
 from a reset after the layer, its input and the output gradient are allocated.
 
@@ -49,6 +51,7 @@ ISSUE_POPULAR_PYTORCH = {4096: ("12.1", "38.4", "9.9"), 16384: ("49.1", "out of 
 class Measurement:
     fwd_ms: float | None = None
     step_ms: float | None = None
+    graph_step_ms: float | None = None
     peak_gib: float | None = None
     error: str | None = None
 
@@ -91,6 +94,7 @@ def measure(kind: str, n: int) -> Measurement:
         result.peak_gib = torch.cuda.max_memory_allocated() / GIB
         result.fwd_ms = median_ms(forward)
         result.step_ms = median_ms(forward_backward)
+        result.graph_step_ms = graphed_ms(forward_backward)
     except torch.OutOfMemoryError:
         result.error = "OOM"
     finally:
@@ -98,6 +102,23 @@ def measure(kind: str, n: int) -> Measurement:
         gc.collect()
         torch.cuda.empty_cache()
     return result
+
+
+def graphed_ms(step) -> float:
+    """Median time of ``step`` captured once into a CUDA graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # capture needs its allocations warmed up off the default stream
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    try:
+        return median_ms(graph.replay)
+    finally:
+        del graph
 
 
 def profile(n: int, path: Path | None) -> str:
@@ -165,16 +186,19 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def report(results: dict[int, dict[str, Measurement]], profile_summary: str | None) -> str:
     header = ["n", "dense fwd ms", "dense fwd+bwd ms", "dense peak GiB", "NSA fwd ms",
-              "NSA fwd+bwd ms", "NSA peak GiB", "fwd+bwd speed-up", "peak ratio"]
+              "NSA fwd+bwd ms", "NSA peak GiB", "fwd+bwd speed-up", "peak ratio",
+              "CUDA graph fwd+bwd ms, dense / NSA", "speed-up, CUDA graph"]
     rows = []
     for n, pair in results.items():
         dense, nsa = pair["dense"], pair["nsa"]
-        speedup, ratio = _ratio(pair, "step_ms"), _ratio(pair, "peak_gib")
+        speedup, ratio, graph_speedup = (_ratio(pair, attr) for attr in ("step_ms", "peak_gib", "graph_step_ms"))
         rows.append([
             n,
             dense.error or _fmt(dense.fwd_ms), dense.error or _fmt(dense.step_ms), dense.error or _fmt(dense.peak_gib),
             nsa.error or _fmt(nsa.fwd_ms), nsa.error or _fmt(nsa.step_ms), nsa.error or _fmt(nsa.peak_gib),
             "-" if speedup is None else f"{speedup:.2f}x", _fmt(ratio),
+            f"{_fmt(dense.graph_step_ms)} / {_fmt(nsa.graph_step_ms)}",
+            "-" if graph_speedup is None else f"{graph_speedup:.2f}x",
         ])
     lines = [
         "## Layer: NSA vs dense attention (`benchmarks/bench_layer.py`)",
@@ -212,11 +236,11 @@ def report(results: dict[int, dict[str, Measurement]], profile_summary: str | No
 
 
 def _ratio(pair: dict[str, Measurement], attr: str) -> float | None:
-    """Dense time over NSA time (``step_ms``) or NSA memory over dense memory (``peak_gib``)."""
+    """Dense time over NSA time (``*_ms``) or NSA memory over dense memory (``peak_gib``)."""
     dense, nsa = getattr(pair["dense"], attr), getattr(pair["nsa"], attr)
     if dense is None or nsa is None:
         return None
-    return dense / nsa if attr == "step_ms" else nsa / dense
+    return dense / nsa if attr.endswith("_ms") else nsa / dense
 
 
 def _verdict(values: list, ok) -> str:
