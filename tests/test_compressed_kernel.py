@@ -200,6 +200,17 @@ def test_score_gradients_match_reference(case):
     check_against_reference(*case, seed=5, score_grad=True)
 
 
+def test_selection_chunks_of_32_blocks(monkeypatch):
+    """The scoring tiles CUDA uses (64+ compressed keys) can hold 32 selection blocks per
+    chunk: padded lanes, several chunks per row, the top-n merged across them."""
+    wide = compressed._Launch(block_m=16, block_n=64, num_warps=1, num_stages=1)
+    launch = compressed._launch
+    monkeypatch.setattr(compressed, "_launch",
+                        lambda kernel, q: wide if kernel == "select" else launch(kernel, q))
+    assert compressed._chunk_layout(4, 4, 4, wide.block_n) == (32, 1, 32)
+    check_against_reference(1, 4, 2, 140, 16, 4, 4, 1, 4, 5, True, True)
+
+
 def test_float16_and_strided_inputs():
     check_against_reference(1, 4, 2, 48, 32, 8, 4, 1, 16, 3, True, True, dtype=torch.float16,
                             heads_last=True)

@@ -474,27 +474,31 @@ def _merge_top(top, cand, TOPN: tl.constexpr, TOPN_PAD: tl.constexpr):
 def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr, M, k,
                       comp_visible, overlap, m_start, qk_scale, acc,
                       HEADS_PER_SELECTION: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_HALF: tl.constexpr):
-    """Adds ``p @ overlap`` for one tile of compressed keys, summed over the heads that
-    share the selection. ``p = exp(s - lse)`` are the forward's probabilities.
+                      BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      SPLIT_HALF: tl.constexpr):
+    """Adds ``p @ overlap`` for one tile of compressed keys, ``p = exp(s - lse)`` (the
+    forward's probabilities) summed over the heads that share the selection.
 
-    The dot's precision decides near-ties, so it keeps about fp32's: SPLIT_HALF writes
-    ``p = hi + lo`` as two fp16 terms (some 22 bits of p, two fp16 dots, exact 0/1
-    overlap); otherwise tf32x3.
+    The heads' probabilities are summed in the accumulator layout of ``q @ k^T`` before
+    a single overlap dot per tile (a dot per head, each converting its ``p`` to an
+    operand layout, made the kernel 1.24x slower at 16 heads). The dot's precision
+    decides near-ties, so it keeps about fp32's: SPLIT_HALF writes ``p = hi + lo`` as two
+    fp16 terms (some 22 bits of p, two fp16 dots, exact 0/1 overlap); otherwise tf32x3.
     """
     rows = m_start + tl.arange(0, BLOCK_M)
+    p = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     for g in range(HEADS_PER_SELECTION):
         q_ptr = _head_pointers(Q, z, first_head + g, stride_qz, stride_qh)
         q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
         lse = _load_lse_log2(lse_ptr + g * M, rows, M)
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        p = tl.where(comp_visible, p, 0.0)
-        if SPLIT_HALF:
-            hi = p.to(tl.float16)
-            lo = (p - hi.to(tl.float32)).to(tl.float16)
-            acc = tl.dot(lo, overlap, tl.dot(hi, overlap, acc))
-        else:
-            acc = tl.dot(p, overlap, acc, input_precision="tf32x3")
+        p += tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    p = tl.where(comp_visible, p, 0.0)
+    if SPLIT_HALF:
+        hi = p.to(tl.float16)
+        lo = (p - hi.to(tl.float32)).to(tl.float16)
+        acc = tl.dot(lo, overlap, tl.dot(hi, overlap, acc))
+    else:
+        acc = tl.dot(p, overlap, acc, input_precision="tf32x3")
     return acc
 
 
@@ -549,7 +553,8 @@ def _select_blocks_kernel(
             comp_visible = comp[None, :] < visible[:, None]
             acc = _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr,
                                     M, k, comp_visible, overlap, m_start, qk_scale, acc,
-                                    HEADS_PER_SELECTION, BLOCK_M, BLOCK_D, HEAD_DIM, SPLIT_HALF)
+                                    HEADS_PER_SELECTION, BLOCK_M, BLOCK_C, BLOCK_D, HEAD_DIM,
+                                    SPLIT_HALF)
 
         selectable = block_used[None, :] & (blocks[None, :] < block_limit[:, None])
         if IS_CAUSAL:
@@ -609,11 +614,20 @@ class _Launch:
 _CUDA_LAUNCH = {
     "forward": _Launch(128, 64, 8, 3),
     "backward_dq": _Launch(64, 64, 4, 3),
-    "backward_dkdv": _Launch(64, 64, 4, 3),
-    "select": _Launch(64, 64, 4, 3),
+    "backward_dkdv": _Launch(128, 128, 8, 3),
+    "select": _Launch(64, 128, 4, 2),
 }
-# Selection blocks scored per chunk, padded (BLOCK_S).
-_SELECTION_LANES = 16
+# Rows wider than 64 bf16 values: fewer rows and stages keep the pipelined tiles inside
+# shared memory (dK / dV also fewer keys: at d = 128 its 128-key tiles ran 1.7x slower).
+_CUDA_LAUNCH_WIDE_ROWS = {
+    "forward": _Launch(64, 64, 4, 2),
+    "backward_dq": _Launch(64, 64, 4, 2),
+    "backward_dkdv": _Launch(64, 64, 4, 2),
+    "select": _Launch(64, 128, 4, 2),
+}
+# Most selection blocks scored per chunk: more lanes mean fewer top-n merges per row, but
+# each merge then works on a wider [BLOCK_M, BLOCK_S] candidate tile.
+_MAX_SELECTION_LANES = 32
 
 
 def _launch(kernel: str, q: torch.Tensor) -> _Launch:
@@ -621,12 +635,8 @@ def _launch(kernel: str, q: torch.Tensor) -> _Launch:
     if q.device.type != "cuda":
         # Interpreter: small tiles so that short test sequences still span several tiles.
         return _Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    tiles = _CUDA_LAUNCH[kernel]
-    if _block_d(q.shape[-1]) * q.element_size() > 128:
-        # Rows wider than the tuned 64 bf16 values: fewer stages and rows keep the
-        # pipelined tiles inside shared memory.
-        tiles = _Launch(min(tiles.block_m, 64), tiles.block_n, min(tiles.num_warps, 4), 2)
-    return tiles
+    wide_rows = _block_d(q.shape[-1]) * q.element_size() > 128
+    return (_CUDA_LAUNCH_WIDE_ROWS if wide_rows else _CUDA_LAUNCH)[kernel]
 
 
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -739,16 +749,17 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
 
 
 def _chunk_layout(compress_block_size, compress_stride, selection_block_size, block_c: int):
-    """(S_STEP, NUM_C_TILES): selection blocks per chunk and compressed-key tiles that
-    cover the compressed keys overlapping them, chosen to waste as few lanes as possible."""
+    """(S_STEP, NUM_C_TILES, BLOCK_S): selection blocks per chunk, the compressed-key
+    tiles that cover the compressed keys overlapping them (chosen to waste as few keys as
+    possible), and the chunk's lanes, S_STEP padded to a power of two."""
 
     def span(num_blocks: int) -> int:
         # Upper bound on the compressed keys overlapping num_blocks consecutive blocks.
         return (num_blocks * selection_block_size + compress_block_size - 1) // compress_stride + 1
 
     num_c_tiles = math.ceil(span(1) / block_c)
-    s_step = max(s for s in range(1, _SELECTION_LANES + 1) if span(s) <= num_c_tiles * block_c)
-    return s_step, num_c_tiles
+    s_step = max(s for s in range(1, _MAX_SELECTION_LANES + 1) if span(s) <= num_c_tiles * block_c)
+    return s_step, num_c_tiles, max(16, triton.next_power_of_2(s_step))
 
 
 def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
@@ -767,7 +778,7 @@ def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
     if geo.num_selected == 0:
         return BlockSelection(indices, mask, scores)
     tiles = _launch("select", q)
-    s_step, num_c_tiles = _chunk_layout(
+    s_step, num_c_tiles, block_s = _chunk_layout(
         geo.compress_block_size, geo.compress_stride, geo.selection_block_size, tiles.block_n
     )
     grid = (b * hs, triton.cdiv(n, tiles.block_m))
@@ -780,7 +791,7 @@ def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
         GQA_SHARED_HEADS=hq // hk, HEADS_PER_SELECTION=hq // hs, HEAD_DIM=d,
         IS_CAUSAL=geo.causal, TOPN=geo.num_selected,
         TOPN_PAD=triton.next_power_of_2(geo.num_selected),
-        BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_n, BLOCK_S=_SELECTION_LANES,
+        BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_n, BLOCK_S=block_s,
         S_STEP=s_step, NUM_C_TILES=num_c_tiles, BLOCK_D=_block_d(d),
         SPLIT_HALF=q.dtype != torch.float32,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
