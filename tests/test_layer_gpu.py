@@ -5,6 +5,7 @@ sequences. Without CUDA the Triton path's glue (compressed kernels, fused select
 selection kernel, gate combination) runs under the Triton interpreter on a small layer.
 """
 
+import copy
 import os
 
 import pytest
@@ -82,6 +83,21 @@ def test_fast_path_matches_pytorch_path(fast_path, share, use_diff_topk):
     out_bf16, dx_bf16, _ = _run(fast, x, grad_out, autocast=True)
     assert torch.isfinite(out_bf16).all() and torch.isfinite(dx_bf16).all()
     assert _relative_error(out_bf16, ref_run[0]) < 5e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_compiled_triton_path_matches_eager():
+    """torch.compile, as ``train.py --compile`` applies it: the kernels run as opaque eager
+    calls, Inductor compiles the layer around them."""
+    torch.manual_seed(0)
+    layer = SparseAttention(**CONFIG, use_triton_kernel=True).cuda()
+    compiled = copy.deepcopy(layer)
+    compiled.compile()
+    x = torch.randn(2, 2048, CONFIG["dim"], device="cuda")
+    grad_out = torch.randn_like(x)
+    _assert_close(_run(compiled, x, grad_out, autocast=True), _run(layer, x, grad_out, autocast=True),
+                  2e-2, 5e-2, 1e-1)
 
 
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")

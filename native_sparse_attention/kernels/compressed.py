@@ -829,6 +829,13 @@ class _CompressedAttendAndSelect(torch.autograd.Function):
         return dq, dck, dcv, None
 
 
+# torch.compile runs the kernels as an opaque eager call: Inductor (torch 2.11) fails to
+# lower the bool mask these kernels write ("torch.bool is not supported by torch.iinfo").
+@torch.compiler.disable
+def _attend_and_select_kernels(q, ck, cv, geo: _Geometry):
+    return _CompressedAttendAndSelect.apply(q, ck, cv, geo)
+
+
 def _reference_attend_and_select(q, ck, cv, geo: _Geometry):
     """The CPU path: the PyTorch reference, which materialises [n, nc] probabilities."""
     out, lse, probs = compressed_attend(
@@ -942,5 +949,5 @@ def compressed_attend_and_select(
     if not _use_kernels(q.device):
         return _reference_attend_and_select(q, ck, cv, geo)
     q, ck, cv = (_rows_last_contiguous(t) for t in (q, ck, cv))
-    out, lse, indices, mask, scores = _CompressedAttendAndSelect.apply(q, ck, cv, geo)
+    out, lse, indices, mask, scores = _attend_and_select_kernels(q, ck, cv, geo)
     return out, lse, BlockSelection(indices, mask, scores)

@@ -1012,6 +1012,9 @@ class _SelectionAttention(torch.autograd.Function):
         return dq, dk, dv, dsel, None, None, None
 
 
+# torch.compile runs the kernels as an opaque eager call: Inductor (torch 2.11) fails to
+# lower the bool selection mask they read ("torch.bool is not supported by torch.iinfo").
+@torch.compiler.disable
 def selection_attention(
     q: torch.Tensor,
     k: torch.Tensor,
