@@ -57,6 +57,7 @@ from native_sparse_attention.data import (
     validation_offsets,
     windows,
 )
+from native_sparse_attention.cuda_graph import GraphedLossBackward
 from native_sparse_attention.transformer import Transformer
 
 __all__ = [
@@ -126,6 +127,8 @@ class TrainConfig:
     weight_decay: float = _setting(0.1, "AdamW weight decay of the weight matrices", float, 0.0)
     grad_clip: float = _setting(1.0, "gradient-norm clipping threshold (0: no clipping)", float, 0.0)
     compile: bool = _setting(False, "torch.compile the model", bool)
+    cuda_graph: bool = _setting(False, "replay each micro-batch's forward and backward from a CUDA graph "
+                                       "(one GPU; Triton backend or full attention)", bool)
     data: str | None = _setting(None, "enwik8 (downloaded to data/enwik8.gz when missing), stdlib (the Python "
                                       "standard library's source) or a path to any file of bytes, plain or "
                                       ".gz (default: enwik8, or stdlib when it cannot be downloaded)", str)
@@ -221,6 +224,16 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _check_cuda_graph(config: TrainConfig, use_cuda: bool) -> None:
+    """What ``--cuda-graph`` needs, as ``UsageError``s (one GPU is checked at launch)."""
+    if not use_cuda:
+        raise UsageError("--cuda-graph needs a CUDA device")
+    if config.compile:
+        raise UsageError("--cuda-graph contradicts --compile: use one of them")
+    if config.attn == "sparse" and config.backend not in (None, "triton"):
+        raise UsageError(f"--cuda-graph runs sparse attention on the triton backend, not --backend {config.backend}")
+
+
 def resolve_config(argv: list[str] | None) -> tuple[TrainConfig, Path, bool]:
     """Flags -> (settings, run directory, resume). A fresh run starts from its preset; a
     resumed one from the settings saved in its run directory. Raises ``UsageError``."""
@@ -259,6 +272,8 @@ def resolve_config(argv: list[str] | None) -> tuple[TrainConfig, Path, bool]:
                          "it contradicts --attn full")
     if config.backend in ("triton", "flex") and not use_cuda:
         raise UsageError(f"--backend {config.backend} needs a CUDA device; use --backend pytorch on the CPU")
+    if config.cuda_graph:
+        _check_cuda_graph(config, use_cuda)
     if config.prime_len > config.seq_len:
         raise UsageError(f"--prime-len {config.prime_len} must not exceed --seq-len {config.seq_len}")
     return config, Path(run_dir), resume
@@ -327,14 +342,19 @@ def autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
-def train_step(model, optimizer, micro_batches: list[torch.Tensor], grad_clip: float, no_sync=None):
+def train_step(model, optimizer, micro_batches: list[torch.Tensor], grad_clip: float, no_sync=None,
+               graphed: GraphedLossBackward | None = None):
     """One optimizer step over ``micro_batches`` (ids [b, n + 1] each, on the model's
     device), gradients averaged over them. ``no_sync`` (DDP's) skips the gradient
-    all-reduce of all but the last. Returns (mean loss, gradient norm before clipping),
-    0-dim tensors."""
-    optimizer.zero_grad(set_to_none=True)
+    all-reduce of all but the last. ``graphed`` replays each micro-batch's forward and
+    backward from its CUDA graph (captured with the loss scale 1 / len(micro_batches)).
+    Returns (mean loss, gradient norm before clipping), 0-dim tensors."""
+    optimizer.zero_grad(set_to_none=graphed is None)  # a graph adds into its own buffers
     total = 0.0
     for index, ids in enumerate(micro_batches):
+        if graphed is not None:
+            total = total + graphed(ids)
+            continue
         last = index == len(micro_batches) - 1
         with nullcontext() if last or no_sync is None else no_sync():
             with autocast(ids.device):
@@ -507,6 +527,8 @@ class Trainer:
         from tqdm.auto import tqdm
 
         self.runtime, self.run_dir = runtime, run_dir
+        if config.cuda_graph and runtime.distributed:
+            raise UsageError("--cuda-graph trains on one GPU; run train.py without torchrun")
         self.device, self.is_main = runtime.device, runtime.is_main
         self.log = tqdm.write if self.is_main else (lambda message: None)
         self.plotting = importlib.util.find_spec("matplotlib") is not None
@@ -539,6 +561,7 @@ class Trainer:
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
         self.no_sync = self.step_model.no_sync if runtime.distributed else None
+        self.graphed: GraphedLossBackward | None = None  # captured at the first step
         if config.compile:
             self.step_model = torch.compile(self.step_model)
 
@@ -586,8 +609,10 @@ class Trainer:
             windows(self.train_data, self.sampler.next_offsets(), self.config.seq_len).to(self.device)
             for _ in range(self.config.grad_accum)
         ]
+        if self.config.cuda_graph and self.graphed is None:
+            self.graphed = GraphedLossBackward(self.model, micro_batches[0], 1 / len(micro_batches))
         loss, grad_norm = train_step(self.step_model, self.optimizer, micro_batches, self.config.grad_clip,
-                                     self.no_sync)
+                                     self.no_sync, self.graphed)
         stats = torch.stack((loss, torch.tensor(float(stop.signum is not None), device=self.device)))
         if self.runtime.distributed:
             dist.all_reduce(stats)

@@ -128,6 +128,37 @@ def test_resumed_run_logs_the_losses_of_an_uninterrupted_one(corpus, tmp_path):
     assert json.loads((tmp_path / "parts" / "config.json").read_text())["steps"] == 30
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attn", ["sparse", "full"])
+def test_cuda_graph_steps_match_eager_ones(attn, corpus, tmp_path):
+    """--cuda-graph replays the micro-batches' forward and backward (two per step here);
+    the losses follow the eager run's up to the rounding of atomic float adds."""
+    flags = ("--device", "cuda", "--attn", attn, "--compress-block", "16", "--compress-stride", "8",
+             "--selection-block", "16", "--steps", "12", "--grad-accum", "2", "--log-every", "1",
+             "--val-every", "12", "--sample-every", "12", "--checkpoint-every", "6")
+    assert run_train(corpus, tmp_path / "eager", *flags) == 0
+    assert run_train(corpus, tmp_path / "graph", *flags, "--cuda-graph") == 0
+    eager, graph = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "graph")
+    assert [r["step"] for r in graph] == list(range(1, 13))
+    assert graph[0]["loss"] > graph[-1]["loss"] + 0.5
+    for eager_record, graph_record in zip(eager, graph):
+        assert math.isclose(graph_record["loss"], eager_record["loss"], rel_tol=2e-3)
+    assert math.isclose(graph[-1]["val_bpb"], eager[-1]["val_bpb"], rel_tol=2e-3)
+
+
+def test_cuda_graph_refuses_what_it_cannot_capture():
+    check = training._check_cuda_graph
+    with pytest.raises(training.UsageError, match="needs a CUDA device"):
+        check(training.TrainConfig(cuda_graph=True), use_cuda=False)
+    with pytest.raises(training.UsageError, match="contradicts --compile"):
+        check(training.TrainConfig(cuda_graph=True, compile=True), use_cuda=True)
+    with pytest.raises(training.UsageError, match="not --backend flex"):
+        check(training.TrainConfig(cuda_graph=True, backend="flex"), use_cuda=True)
+    check(training.TrainConfig(cuda_graph=True, backend="triton"), use_cuda=True)
+    check(training.TrainConfig(cuda_graph=True, attn="full"), use_cuda=True)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_checkpoints_the_last_step_and_the_run_resumes(signum, corpus, tmp_path):
     run_dir = tmp_path / "run"
@@ -195,6 +226,7 @@ def _write_checkpointed_run(run_dir: Path, corpus: Path) -> None:
     "missing file", "directory", "corrupt gzip", "too short", "resume without checkpoint",
     "backend with full attention", "triton without cuda", "existing run", "resume changes architecture",
     "zero steps", "unknown flag", "bad model", "prompt longer than sequence", "resume already finished",
+    "cuda graph without cuda",
 ])
 def test_bad_input_exits_2_with_one_line(case, corpus, tmp_path, capsys):
     run_dir = tmp_path / "run"
@@ -213,6 +245,7 @@ def test_bad_input_exits_2_with_one_line(case, corpus, tmp_path, capsys):
         "bad model": (["--heads", "3", "--kv-heads", "2"], "invalid model settings"),
         "prompt longer than sequence": (["--prime-len", "65"], "must not exceed --seq-len"),
         "resume already finished": (["--resume", "--steps", "1"], "already at step 1"),
+        "cuda graph without cuda": (["--cuda-graph"], "--cuda-graph needs a CUDA device"),
     }[case]
     (tmp_path / "bad.gz").write_bytes(b"\x1f\x8b" + b"not gzip data" * 10)
     (tmp_path / "short.txt").write_bytes(b"x" * 500)
