@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import environment_line, markdown_table, median_ms, write_section  # noqa: E402
 from native_sparse_attention import FullAttention, SparseAttention  # noqa: E402
+from native_sparse_attention.cuda_graph import capture  # noqa: E402
 
 DIM, HEADS, KV_HEADS, DIM_HEAD = 2048, 32, 2, 64
 NSA_OPTIONS = dict(
@@ -106,19 +107,8 @@ def measure(kind: str, n: int) -> Measurement:
 
 def graphed_ms(step) -> float:
     """Median time of ``step`` captured once into a CUDA graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # capture needs its allocations warmed up off the default stream
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    try:
-        return median_ms(graph.replay)
-    finally:
-        del graph
+    graph, _ = capture(step)
+    return median_ms(graph.replay)
 
 
 def profile(n: int, path: Path | None) -> str:

@@ -7,10 +7,32 @@ than their work. Replaying a captured graph launches them all at once.
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 from torch import nn
 
-__all__ = ["GraphedLossBackward"]
+T = TypeVar("T")
+
+__all__ = ["GraphedLossBackward", "capture"]
+
+
+def capture(fn: Callable[[], T], warmup_steps: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Runs ``fn`` ``warmup_steps`` times, then captures one more call into a CUDA graph.
+
+    Returns the graph and what the captured call returned (tensors the replays rewrite).
+    """
+    # Capture needs the allocator and cuBLAS workspaces warmed up off the default stream.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_steps):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
 
 
 class GraphedLossBackward:
@@ -32,16 +54,7 @@ class GraphedLossBackward:
         for parameter in model.parameters():
             if parameter.requires_grad and parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-        # Capture needs the allocator and cuBLAS workspaces warmed up off the default stream.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup_steps):
-                self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.loss = self._step()
+        self.graph, self.loss = capture(self._step, warmup_steps)
 
     def _step(self) -> torch.Tensor:
         # Autocast caches its casts of the weights and frees them when its context ends:
