@@ -269,9 +269,11 @@ def test_invalid_arguments_name_the_argument(change, name):
     ],
     ids=["issue_config_bf16", "d128_per_head_fp16", "non_causal_group3_d48_bf16"],
 )
-def test_gpu_long_sequences(case):
+@pytest.mark.parametrize("score_grad", [False, True], ids=["plain", "score_grad"])
+def test_gpu_long_sequences(case, score_grad):
+    """With ``score_grad`` the dK / dV kernel runs the differentiable top-n's own tiles."""
     *geometry, dtype = case
-    check_against_reference(*geometry, dtype=dtype, seed=11)
+    check_against_reference(*geometry, dtype=dtype, seed=11, score_grad=score_grad)
 
 
 @pytest.mark.gpu

@@ -105,7 +105,7 @@ def make_inputs(case: Case, seed: int):
 def run_kernels(case: Case, q, k, v, indices, fmask, sel_scale, monkeypatch=None):
     """out, sliding_out (or None), lse of native_sparse_attend."""
     if case.launch:
-        monkeypatch.setattr(selection_kernels, "default_launch_config", lambda *_: LaunchConfig(**dict(case.launch)))
+        monkeypatch.setattr(selection_kernels, "default_launch_config", lambda *_, **__: LaunchConfig(**dict(case.launch)))
     sliding = case.window is not None
     outputs = native_sparse_attend(
         q, k, v, case.block_size, indices, fmask, sel_scale=sel_scale, include_block_causal=case.causal,
@@ -330,6 +330,9 @@ GPU_CASES = {
                                        dtype=torch.bfloat16),
     "group1_d96_fp16_int32": Case(hq=4, hk=4, n=4099, d=96, block_size=16, num_slots=12, sel_scale=False,
                                   index_dtype=torch.int32, dtype=torch.float16, heads_last=True),
+    # The layer benchmark's heads: two entries of 16 rows per dK / dV step.
+    "group16_d64_sliding_fp16": Case(hq=32, hk=2, n=4096, d=64, block_size=64, num_slots=16, window=512,
+                                     dtype=torch.float16),
 }
 
 

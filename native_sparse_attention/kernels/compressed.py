@@ -225,37 +225,41 @@ def _output_grad_dot_kernel(
 
 
 @triton.jit
-def _score_grad(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
-                TOPN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_J: tl.constexpr):
-    """G = dL/dP that the selection scores add for one (query tile, key tile).
+def _score_grad_t(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
+                  TOPN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_J: tl.constexpr):
+    """G^T, with G = dL/dP that the selection scores add, for one (key tile, query tile):
+    ``[BLOCK_N, BLOCK_M]``.
 
     A chosen block's score sums the probabilities of the compressed keys overlapping it,
     so ``G[r, key]`` is the sum of DSCORE[r, s] over the slots ``s`` whose block overlaps
-    compressed key ``key - NUM_MEM``; memory keys get 0. Computed as a dot: the score
-    gradient of each of the BLOCK_J blocks that can overlap the key tile (``[BLOCK_M,
-    BLOCK_J]``), times the blocks' 0/1 overlap with the tile's keys (``[BLOCK_J,
-    BLOCK_N]``). ``sel_ptr``, ``dscore_ptr``: the ``[M, TOPN]`` indices and score
-    gradients (0 on masked slots) of the selection head.
+    compressed key ``key - NUM_MEM``; memory keys get 0. Computed as a dot: the tile's keys'
+    0/1 overlap with the BLOCK_J blocks that can overlap them (``[BLOCK_N, BLOCK_J]``),
+    times those blocks' score gradients (``[BLOCK_J, BLOCK_M]``). ``sel_ptr``,
+    ``dscore_ptr``: the ``[TOPN, M]`` (slot-major) int32 indices and score gradients (0 on
+    masked slots) of the selection head.
     """
     comp = key_start - NUM_MEM + tl.arange(0, BLOCK_N)
-    blocks = tl.maximum(key_start - NUM_MEM, 0) * STRIDE // SBS + tl.arange(0, BLOCK_J)
+    first_block = tl.maximum(key_start - NUM_MEM, 0) * STRIDE // SBS
+    lanes = tl.arange(0, BLOCK_J)
     row_ok = rows < M
-    block_grad = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
+    block_grad = tl.zeros([BLOCK_J, BLOCK_M], dtype=tl.float32)
     for slot in tl.static_range(TOPN):
-        block = tl.load(sel_ptr + rows * TOPN + slot, mask=row_ok, other=-1)
-        dscore = tl.load(dscore_ptr + rows * TOPN + slot, mask=row_ok, other=0.0)
-        block_grad += tl.where(blocks[None, :] == block[:, None], dscore[:, None], 0.0)
-    overlap = ((comp[None, :] >= 0)
-               & (comp[None, :] * STRIDE < (blocks[:, None] + 1) * SBS)
-               & (blocks[:, None] * SBS < comp[None, :] * STRIDE + CBS))
-    return tl.dot(block_grad, overlap.to(tl.float32))
+        # The slot's block as a lane of this tile's window (outside: no lane matches).
+        lane = tl.load(sel_ptr + slot * M + rows, mask=row_ok, other=-1) - first_block
+        dscore = tl.load(dscore_ptr + slot * M + rows, mask=row_ok, other=0.0)
+        block_grad += tl.where(lanes[:, None] == lane[None, :], dscore[None, :], 0.0)
+    blocks = first_block + lanes
+    overlap = ((comp[:, None] >= 0)
+               & (comp[:, None] * STRIDE < (blocks[None, :] + 1) * SBS)
+               & (blocks[None, :] * SBS < comp[:, None] * STRIDE + CBS))
+    return tl.dot(overlap.to(tl.float32), block_grad)
 
 
 @triton.jit
 def _selection_pointers(SEL, DSCORE, z, h, M, HQ, HEADS_PER_SELECTION: tl.constexpr,
                         TOPN: tl.constexpr):
-    """Rows of selection head ``h // HEADS_PER_SELECTION`` in ``[Z, HS, M, TOPN]`` tensors."""
+    """Selection head ``h // HEADS_PER_SELECTION`` of slot-major ``[Z, HS, TOPN, M]`` tensors."""
     head = z.to(tl.int64) * (HQ // HEADS_PER_SELECTION) + h // HEADS_PER_SELECTION
     offset = head * M * TOPN
     return SEL + offset, DSCORE + offset
@@ -267,24 +271,29 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                SCORE_GRAD: tl.constexpr, TOPN: tl.constexpr, BLOCK_J: tl.constexpr):
-    """Adds one query tile's contribution to the key tile's dK (unscaled) and dV."""
+    """Adds one query tile's contribution to the key tile's dK (unscaled) and dV.
+
+    Works on the transposed scores ``[BLOCK_N, BLOCK_M]``: P^T and dS^T then come out of
+    their dots in the layout the next dot reads them in, where P and dS would have to be
+    transposed in registers (a trip through shared memory per dot).
+    """
     rows = m_start + tl.arange(0, BLOCK_M)
     q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
     do = _load_rows(do_ptr, m_start, stride_dm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
     lse = _load_lse_log2(lse_ptr, rows, M)
     delta = tl.load(delta_ptr + rows, mask=rows < M, other=0.0)
-    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
     if MASKED:
         key_limit = NUM_MEM + _num_visible(rows, NC, CBS, STRIDE, IS_CAUSAL)
         cols = key_start + tl.arange(0, BLOCK_N)
-        p = tl.where(cols[None, :] < key_limit[:, None], p, 0.0)
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-    dp = tl.dot(do, tl.trans(v))
+        p_t = tl.where(cols[:, None] < key_limit[None, :], p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do)
+    dp_t = tl.dot(v, tl.trans(do))
     if SCORE_GRAD:
-        dp += _score_grad(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
-                          TOPN, BLOCK_M, BLOCK_N, BLOCK_J)
-    ds = p * (dp - delta[:, None])
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        dp_t += _score_grad_t(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE,
+                              SBS, TOPN, BLOCK_M, BLOCK_N, BLOCK_J)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q)
     return dk, dv
 
 
@@ -371,7 +380,7 @@ def _score_path(q, lse, rows, M, k_ptr, stride_kn, sel_ptr, dscore_ptr, key_limi
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The selection scores' share of a query tile's dQ: ``(sum_c P G K, rowsum(P * G))``.
 
-    G (``_score_grad``) is nonzero only on the few compressed keys overlapping the chosen
+    G (``_score_grad_t``) is nonzero only on the few compressed keys overlapping the chosen
     blocks, so they are gathered slot by slot (KEYS_PER_BLOCK at most per block) instead
     of being found in every key tile.
     """
@@ -381,8 +390,8 @@ def _score_path(q, lse, rows, M, k_ptr, stride_kn, sel_ptr, dscore_ptr, key_limi
     pgk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     pg = tl.zeros([BLOCK_M], dtype=tl.float32)
     for slot in range(TOPN):
-        block = tl.load(sel_ptr + rows * TOPN + slot, mask=row_ok, other=0)
-        dscore = tl.load(dscore_ptr + rows * TOPN + slot, mask=row_ok, other=0.0)
+        block = tl.load(sel_ptr + slot * M + rows, mask=row_ok, other=0)
+        dscore = tl.load(dscore_ptr + slot * M + rows, mask=row_ok, other=0.0)
         first = tl.where(block * SBS >= CBS, (block * SBS - CBS) // STRIDE + 1, 0)
         last = ((block + 1) * SBS - 1) // STRIDE
         for i in range(KEYS_PER_BLOCK):
@@ -614,7 +623,10 @@ class _Launch:
 _CUDA_LAUNCH = {
     "forward": _Launch(128, 64, 8, 3),
     "backward_dq": _Launch(64, 64, 4, 3),
-    "backward_dkdv": _Launch(128, 128, 8, 3),
+    "backward_dkdv": _Launch(64, 128, 4, 3),
+    # dK / dV with the selection scores' gradient: its [BLOCK_J, BLOCK_M] and
+    # [BLOCK_N, BLOCK_J] float32 dot operands overflow shared memory at 128-key tiles.
+    "backward_dkdv_scores": _Launch(64, 64, 4, 3),
     "select": _Launch(64, 128, 4, 2),
 }
 # Rows wider than 64 bf16 values: fewer rows and stages keep the pipelined tiles inside
@@ -623,6 +635,7 @@ _CUDA_LAUNCH_WIDE_ROWS = {
     "forward": _Launch(64, 64, 4, 2),
     "backward_dq": _Launch(64, 64, 4, 2),
     "backward_dkdv": _Launch(64, 64, 4, 2),
+    "backward_dkdv_scores": _Launch(64, 64, 4, 2),
     "select": _Launch(64, 128, 4, 2),
 }
 # Most selection blocks scored per chunk: more lanes mean fewer top-n merges per row, but
@@ -703,7 +716,9 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     """
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
-    dq_tiles, dkdv_tiles = _launch("backward_dq", q), _launch("backward_dkdv", q)
+    has_score_grad = score_grad is not None
+    dq_tiles = _launch("backward_dq", q)
+    dkdv_tiles = _launch("backward_dkdv_scores" if has_score_grad else "backward_dkdv", q)
     block_d = _block_d(d)
 
     delta = _allocate((b, hq, n), torch.float32, q.device)
@@ -711,9 +726,11 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
         out, dout, delta, *_bhm_strides(out), *_bhm_strides(dout), hq, n,
         HEAD_DIM=d, BLOCK_M=dq_tiles.block_m, BLOCK_D=block_d,
     )
-    has_score_grad = score_grad is not None
     if has_score_grad:
-        selection = (indices, score_grad)
+        # Slot-major, so that the kernels read one slot of a query tile as one contiguous
+        # run instead of BLOCK_M strided elements.
+        selection = (indices.to(torch.int32).transpose(-1, -2).contiguous(),
+                     score_grad.transpose(-1, -2).contiguous())
         selection_meta = dict(SCORE_GRAD=True, HEADS_PER_SELECTION=hq // indices.shape[1],
                               TOPN=indices.shape[-1])
     else:
