@@ -5,7 +5,9 @@ Each configuration is the enwik8 preset's model (dim 512, depth 6, 8 query heads
 heads of dim 64, sliding window 64, compression 16 / stride 8, selection blocks of 16, 4
 selected) taking whole training steps (``training.train_step``: bf16 autocast, forward,
 backward, gradient clipping, fused AdamW) on random bytes, with the batch sized so every
-step holds 8192 tokens. tokens/s comes from the median step time (CUDA events).
+step holds 8192 tokens, launched eagerly and with the forward and backward replayed from
+a CUDA graph (``train.py --cuda-graph``). tokens/s comes from the median step time (CUDA
+events).
 
 With ``--runs``, the section also lists ``train.py`` runs: validation bits per byte at the
 last step every run validated, and the median of their logged tokens/s.
@@ -28,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import environment_line, markdown_table, median_ms, write_section  # noqa: E402
+from native_sparse_attention.cuda_graph import GraphedLossBackward  # noqa: E402
 from native_sparse_attention.plotting import read_config, read_metrics  # noqa: E402
 from native_sparse_attention.training import (  # noqa: E402
     PRESETS,
@@ -40,6 +43,7 @@ from native_sparse_attention.training import (  # noqa: E402
 TOKENS_PER_STEP = 8192
 SEQ_LENS = (512, 4096)
 VARIANTS = (("sparse", "triton"), ("full", None))  # (attention, backend)
+MODES = (False, True)  # forward and backward replayed from a CUDA graph
 GIB = 2**30
 
 
@@ -55,49 +59,53 @@ class Measurement:
         return None if self.step_ms is None else TOKENS_PER_STEP / (self.step_ms / 1e3)
 
 
-def measure(seq_len: int, attn: str, backend: str | None) -> Measurement:
+def measure(seq_len: int, attn: str, backend: str | None, cuda_graph: bool) -> Measurement:
     config = replace(TrainConfig(**PRESETS["enwik8"]), attn=attn, seq_len=seq_len,
                      batch_size=TOKENS_PER_STEP // seq_len)
     result = Measurement(config.batch_size)
-    model = optimizer = ids = None
+    model = optimizer = ids = graphed = None
     try:
         torch.manual_seed(0)
         model = build_model(config, backend).cuda()
         optimizer = build_optimizer(model, config)
         ids = torch.randint(0, 256, (config.batch_size, seq_len + 1), device="cuda")
+        # From here on: a replayed graph allocates nothing, its activations live in the
+        # memory pool the capture allocated.
+        torch.cuda.reset_peak_memory_stats()
+        graphed = GraphedLossBackward(model, ids, loss_scale=1.0) if cuda_graph else None
 
         def step():
-            train_step(model, optimizer, [ids], config.grad_clip)
+            train_step(model, optimizer, [ids], config.grad_clip, graphed=graphed)
 
-        step()  # compile kernels, create the optimizer state
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step()
+        for _ in range(2):  # compile kernels, create the optimizer state
+            step()
         torch.cuda.synchronize()
         result.peak_gib = torch.cuda.max_memory_allocated() / GIB
         result.step_ms = median_ms(step, warmup=200, rep=2000)
     except torch.OutOfMemoryError:
         result.error = "OOM"
     finally:
-        del model, optimizer, ids
+        del model, optimizer, ids, graphed
         gc.collect()
         torch.cuda.empty_cache()
     return result
 
 
-def throughput_table(results: dict[tuple[int, str], Measurement]) -> str:
+def throughput_table(results: dict[tuple[int, str, bool], Measurement]) -> str:
     rows = []
     for seq_len in SEQ_LENS:
-        full = results[seq_len, "full"]
-        for attn, backend in VARIANTS:
-            m = results[seq_len, attn]
-            ratio = "-"
-            if attn == "sparse" and m.step_ms and full.step_ms:
-                ratio = f"{full.step_ms / m.step_ms:.2f}x"
-            label = f"{attn} ({backend})" if backend else f"{attn} (SDPA)"
-            rows.append([seq_len, label, m.batch_size, m.error or f"{m.step_ms:.1f}",
-                         m.error or f"{m.tokens_per_s:,.0f}", m.error or f"{m.peak_gib:.2f}", ratio])
-    return markdown_table(["seq len", "attention", "batch", "ms / step", "tokens/s", "peak GiB",
+        for cuda_graph in MODES:
+            full = results[seq_len, "full", cuda_graph]
+            for attn, backend in VARIANTS:
+                m = results[seq_len, attn, cuda_graph]
+                ratio = "-"
+                if attn == "sparse" and m.step_ms and full.step_ms:
+                    ratio = f"{full.step_ms / m.step_ms:.2f}x"
+                label = f"{attn} ({backend})" if backend else f"{attn} (SDPA)"
+                rows.append([seq_len, label, "CUDA graph" if cuda_graph else "eager", m.batch_size,
+                             m.error or f"{m.step_ms:.1f}", m.error or f"{m.tokens_per_s:,.0f}",
+                             m.error or f"{m.peak_gib:.2f}", ratio])
+    return markdown_table(["seq len", "attention", "launch", "batch", "ms / step", "tokens/s", "peak GiB",
                            "speed vs full"], rows)
 
 
@@ -150,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {}
     for seq_len in SEQ_LENS:
-        for attn, backend in VARIANTS:
-            results[seq_len, attn] = measure(seq_len, attn, backend)
-            print(f"seq {seq_len} {attn}: {results[seq_len, attn]}", flush=True)
+        for cuda_graph in MODES:
+            for attn, backend in VARIANTS:
+                key = seq_len, attn, cuda_graph
+                results[key] = measure(*key[:2], backend, cuda_graph)
+                print(f"seq {seq_len} {attn} cuda_graph={cuda_graph}: {results[key]}", flush=True)
 
     lines = [
         "## Training: enwik8 preset, NSA vs full attention (`benchmarks/bench_train.py`)",
@@ -162,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         f"The `enwik8` preset's model (dim 512, depth 6, 8 query / 4 kv heads of dim 64; NSA: sliding "
         f"window 64, compression 16 / stride 8, selection blocks 16, 4 selected) taking whole training "
         f"steps (bf16 autocast, forward, backward, clipping, fused AdamW) with {TOKENS_PER_STEP} tokens "
-        f"per step; median step time over CUDA events.",
+        f"per step, launched eagerly or with each forward and backward replayed from a CUDA graph "
+        f"(`train.py --cuda-graph`); median step time over CUDA events; peak is "
+        f"`torch.cuda.max_memory_allocated` over the first two steps (the graph's capture included), "
+        f"weights and optimizer state included.",
         "",
         throughput_table(results),
     ]
