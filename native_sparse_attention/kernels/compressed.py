@@ -236,18 +236,30 @@ def _score_grad_t(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE,
     compressed key ``key - NUM_MEM``; memory keys get 0. Computed as a dot: the tile's keys'
     0/1 overlap with the BLOCK_J blocks that can overlap them (``[BLOCK_N, BLOCK_J]``),
     times those blocks' score gradients (``[BLOCK_J, BLOCK_M]``). ``sel_ptr``,
-    ``dscore_ptr``: the ``[TOPN, M]`` (slot-major) int32 indices and score gradients (0 on
-    masked slots) of the selection head.
+    ``dscore_ptr``: the ``[TOPN, M]`` (slot-major) int32 indices and score gradients of the
+    selection head, each row's slots in ascending block order.
+
+    The sorted order makes the slots of a row whose blocks fall in the tile's BLOCK_J
+    lanes consecutive: one pass over the slots counts, per row, the slots before the
+    window and those inside, and only as many [BLOCK_J, BLOCK_M] scatters run as the
+    fullest row has slots inside (with random selections a few of TOPN).
     """
     comp = key_start - NUM_MEM + tl.arange(0, BLOCK_N)
     first_block = tl.maximum(key_start - NUM_MEM, 0) * STRIDE // SBS
     lanes = tl.arange(0, BLOCK_J)
     row_ok = rows < M
-    block_grad = tl.zeros([BLOCK_J, BLOCK_M], dtype=tl.float32)
+    before = tl.zeros([BLOCK_M], dtype=tl.int32)
+    inside = tl.zeros([BLOCK_M], dtype=tl.int32)
     for slot in tl.static_range(TOPN):
-        # The slot's block as a lane of this tile's window (outside: no lane matches).
         lane = tl.load(sel_ptr + slot * M + rows, mask=row_ok, other=-1) - first_block
-        dscore = tl.load(dscore_ptr + slot * M + rows, mask=row_ok, other=0.0)
+        before += (lane < 0).to(tl.int32)
+        inside += ((lane >= 0) & (lane < BLOCK_J)).to(tl.int32)
+    block_grad = tl.zeros([BLOCK_J, BLOCK_M], dtype=tl.float32)
+    for k in range(tl.max(inside, 0)):
+        slot_ok = row_ok & (k < inside)
+        hit = before + k
+        lane = tl.load(sel_ptr + hit * M + rows, mask=slot_ok, other=-1) - first_block
+        dscore = tl.load(dscore_ptr + hit * M + rows, mask=slot_ok, other=0.0)
         block_grad += tl.where(lanes[:, None] == lane[None, :], dscore[None, :], 0.0)
     blocks = first_block + lanes
     overlap = ((comp[:, None] >= 0)
@@ -728,10 +740,14 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
         HEAD_DIM=d, BLOCK_M=dq_tiles.block_m, BLOCK_D=block_d,
     )
     if has_score_grad:
-        # Slot-major, so that the kernels read one slot of a query tile as one contiguous
-        # run instead of BLOCK_M strided elements.
-        selection = (indices.to(torch.int32).transpose(-1, -2).contiguous(),
-                     score_grad.transpose(-1, -2).contiguous())
+        # Each row's slots in ascending block order (what _score_grad_t relies on), slots
+        # without a gradient moved last as the first block past the end, which overlaps
+        # no compressed key. Slot-major, so that the kernels read one slot of a query
+        # tile as one contiguous run instead of BLOCK_M strided elements.
+        no_block = num_selection_blocks(n, geo.selection_block_size)
+        blocks, order = torch.where(score_grad != 0, indices, no_block).to(torch.int32).sort(dim=-1)
+        selection = (blocks.transpose(-1, -2).contiguous(),
+                     score_grad.gather(-1, order.long()).transpose(-1, -2).contiguous())
         selection_meta = dict(SCORE_GRAD=True, HEADS_PER_SELECTION=hq // indices.shape[1],
                               TOPN=indices.shape[-1])
     else:
