@@ -747,7 +747,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
         no_block = num_selection_blocks(n, geo.selection_block_size)
         blocks, order = torch.where(score_grad != 0, indices, no_block).to(torch.int32).sort(dim=-1)
         selection = (blocks.transpose(-1, -2).contiguous(),
-                     score_grad.gather(-1, order.long()).transpose(-1, -2).contiguous())
+                     score_grad.gather(-1, order).transpose(-1, -2).contiguous())
         selection_meta = dict(SCORE_GRAD=True, HEADS_PER_SELECTION=hq // indices.shape[1],
                               TOPN=indices.shape[-1])
     else:
@@ -858,7 +858,7 @@ class _CompressedAttendAndSelect(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else _rows_last_contiguous(dout)
         score_grad = None
         if dscores is not None and dscores.numel() > 0:
-            score_grad = torch.where(mask, dscores, 0.0).float().contiguous()
+            score_grad = torch.where(mask, dscores, 0.0).float()
         dq, dck, dcv = _attention_backward(dout, q, ck, cv, out, lse, ctx.geo, indices, score_grad)
         return dq, dck, dcv, None
 
