@@ -17,7 +17,9 @@ BLOCK_SIZE: tokens per selection block; FINE_N: keys per fine block, a multiple 
     dividing BLOCK_SIZE; TILES_PER_BLOCK: BLOCK_SIZE // FINE_N
 WINDOW: the sliding window w; CAUSAL: include_block_causal (also makes the window causal)
 Entry: one (query i, selection head, key set) whose key set is a valid block; it owns
-    SEL_SHARED_HEADS query rows. M: query rows per step of _dkv_kernel
+    SEL_SHARED_HEADS query rows. Key: one (phase of queries, batch z, kv head, key block),
+    numbered ((phase * Z + z) * HKV + kv_head) * NUM_BLOCKS + block; NUM_KEYS of them.
+    M: query rows per step of _dkv_kernel; CHUNK: most entries per _dkv_kernel program
 HEADS_PAD: SEL_SHARED_HEADS rounded up to a power of two; WINDOW_ROWS: rows of a window
     tile, WINDOW_QUERIES (= WINDOW_ROWS // HEADS_PAD) positions of HEADS_PAD heads each;
     WINDOW_N: keys per window key tile
@@ -46,8 +48,8 @@ WINDOW_QUERIES times as often.
 Key side: a key block is selected by arbitrary queries, so no query-side program owns
 its dK / dV. Adding them atomically from the query side costs one float32 atomic per
 key element per (query, kv head): far more traffic than the keys themselves. Instead the
-selection is inverted on the device (``_key_block_entries``: a sort of the entries by
-key block), and
+selection is inverted on the device (``_key_block_entries``: ``_entry_keys_kernel``
+labels every entry with its key, a stable sort groups them), and
 
 - ``_dkv_kernel``: one program per chunk of the entries of one key block (and one phase
   of queries, see LaunchConfig), one fine tile of it per grid column. It gathers the
@@ -75,6 +77,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MIN_ROWS = 16  # tl.dot needs M, N and K of at least 16
 MAX_DKV_PHASES = 64  # the key table of _dkv_kernel grows with phases x key blocks
+ENTRY_KEYS_QUERIES = 64  # queries per program of _entry_keys_kernel
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -546,6 +549,40 @@ def _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL: tl.constexpr, NUM_SETS: t
 
 
 @triton.jit
+def _entry_keys_kernel(
+    SEL_IDX, SEL_MASK, KEYS, ENTRIES,
+    Z, N, HKV, HS, NUM_BLOCKS, NUM_KEYS, PHASE_LENGTH,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """The key of each of the NUM_SETS entries of BLOCK_Q queries of one selection head
+    (NUM_KEYS for a masked slot or a block with no visible key) and the packed entry
+    (see ``_entry_rows``), at the entry's index in the [Z, HS, N, NUM_SETS] order."""
+    sel_head = tl.program_id(1)
+    z = tl.program_id(2)
+    i = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    sets = tl.arange(0, SETS_PAD)
+    slot = sets - (NUM_SETS - SEL)
+    query = (z.to(tl.int64) * HS + sel_head) * N + i
+    exists = (i < N)[:, None] & (sets < NUM_SETS)[None, :]
+    is_slot = exists & (slot >= 0)[None, :]
+    block = tl.load(SEL_IDX + query[:, None] * SEL + slot[None, :], mask=is_slot, other=-1).to(tl.int64)
+    on = tl.load(SEL_MASK + query[:, None] * SEL + slot[None, :], mask=is_slot, other=0) != 0
+    valid = is_slot & on & (block >= 0) & (block < NUM_BLOCKS)
+    if CAUSAL:
+        own = (i // BLOCK_SIZE)[:, None]
+        valid = (valid & (block <= own)) | (exists & (sets == 0)[None, :])  # the own block is always attended
+        block = tl.where((sets == 0)[None, :], own, block)
+    kv_head = sel_head // (HS // HKV)
+    phase = (i // PHASE_LENGTH).to(tl.int64)[:, None]
+    key = tl.where(valid, ((phase * Z + z) * HKV + kv_head) * NUM_BLOCKS + block, NUM_KEYS)
+    entry = query[:, None] * NUM_SETS + sets[None, :]
+    tl.store(KEYS + entry, key.to(KEYS.dtype.element_ty), mask=exists)
+    packed = (i.to(tl.int64)[:, None] << 32) | (sel_head * NUM_SETS + sets)[None, :]
+    tl.store(ENTRIES + entry, packed, mask=exists)
+
+
+@triton.jit
 def _dkv_kernel(
     Q, K, V, DO, LSE, DELTA, SEL_SCALE, ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, DK_ACC, DV_ACC,
     stride_qz, stride_qh, stride_qn, stride_qd,
@@ -860,15 +897,14 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
 
 @dataclass(frozen=True)
 class _KeyBlockEntries:
-    """The (query, key set) entries of the selection grouped by the key block they attend.
+    """The (query, key set) entries of the selection grouped by the key they attend.
 
-    A key is ``((phase * b + z) * HKV + kv_head) * num_blocks + block``, where the phase
-    of query i is ``i // dkv_phase``. ``entries``: the (query, selection head, key set)
-    of each of the [b, hs, n, num_sets] key sets, packed as in ``_entry_rows``, sorted
-    by key (in query order within a key); key k owns
-    ``entries[first_entry[k]:first_entry[k + 1]]``, cut into chunks of ``chunk`` entries
-    numbered from ``first_chunk[k]``; ``chunk_key[p]`` is the key of chunk p, or
-    ``num_keys`` for the spare programs past the last chunk.
+    ``entries``: the (query, selection head, key set) of each of the [b, hs, n, num_sets]
+    key sets, packed as in ``_entry_rows``, sorted by key (in query order within a key),
+    those without a valid key last; key k owns ``entries[first_entry[k]:first_entry[k + 1]]``,
+    cut into chunks of ``chunk`` entries numbered from ``first_chunk[k]``;
+    ``chunk_key[p]`` is the key of chunk p, or ``num_keys`` for the spare programs past
+    the last chunk.
     """
 
     entries: torch.Tensor
@@ -879,42 +915,41 @@ class _KeyBlockEntries:
 
 
 def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor) -> _KeyBlockEntries:
-    """Inverts the selection on the device, without a host synchronisation: the grid of
-    _dkv_kernel is an upper bound on the number of chunks, known from the shapes.
+    """indices, fmask: the contiguous [b, hs, n, sel] operands of the kernels.
+
+    Inverts the selection on the device, without a host synchronisation: the grid of
+    _dkv_kernel is an upper bound on the number of chunks, known from the shapes. The
+    entries are labelled by one kernel rather than two dozen PyTorch ops: below ~16k
+    tokens the backward is bound by the host's launches, not by the GPU.
 
     Keys are phase-major so that the programs running at the same time gather the q and
     dO rows of one phase of queries, a working set that fits in L2 where whole q and dO
     tensors may not. On the benchmark's configurations the gain measured within noise
     of a single phase (which d <= 64 uses).
     """
-    b, hs, n, bs = problem.batch, problem.selection_heads, problem.seq_len, problem.block_size
-    device = indices.device
-    num_blocks = problem.num_blocks
-    blocks = indices.long()
-    valid = fmask & (blocks >= 0) & (blocks < num_blocks)
-    if problem.causal:
-        own = (torch.arange(n, device=device) // bs).view(1, 1, n, 1)
-        valid &= blocks <= own  # a block starting after the query has no visible key
-        blocks = torch.cat((own.expand(b, hs, n, 1), blocks), dim=-1)
-        valid = torch.cat((torch.ones_like(valid[..., :1]), valid), dim=-1)
-    kv_head = torch.arange(hs, device=device).view(1, hs, 1, 1) // (hs // problem.kv_heads)
-    z = torch.arange(b, device=device).view(b, 1, 1, 1)
+    b, hs, n, device = problem.batch, problem.selection_heads, problem.seq_len, indices.device
+    constexprs = problem.constexprs
     phase_length = max(problem.config.dkv_phase or n, triton.cdiv(n, MAX_DKV_PHASES))
-    phase = (torch.arange(n, device=device) // phase_length).view(1, 1, n, 1)
-    num_keys = triton.cdiv(n, phase_length) * b * problem.kv_heads * num_blocks
-    keys = ((phase * b + z) * problem.kv_heads + kv_head) * num_blocks + blocks
-    sorted_keys, order = torch.sort(torch.where(valid, keys, num_keys).flatten(), stable=True)
-    num_sets = blocks.shape[-1]
-    head_and_set = torch.arange(hs * num_sets, device=device).view(1, hs, 1, num_sets)
-    packed = (torch.arange(n, device=device).view(1, 1, n, 1) << 32) | head_and_set
-    entries = packed.expand(b, hs, n, num_sets).flatten()[order]
-    first_entry = torch.searchsorted(sorted_keys, torch.arange(num_keys + 1, device=device))
+    num_keys = triton.cdiv(n, phase_length) * b * problem.kv_heads * problem.num_blocks
+    # int32 keys halve the radix sort's passes.
+    key_dtype = torch.int32 if num_keys < 2**31 - 1 else torch.int64
+    keys = torch.empty((b, hs, n, constexprs["NUM_SETS"]), dtype=key_dtype, device=device)
+    entries = torch.empty(keys.shape, dtype=torch.int64, device=device)
+    _entry_keys_kernel[(triton.cdiv(n, ENTRY_KEYS_QUERIES), hs, b)](
+        indices, fmask, keys, entries,
+        b, n, problem.kv_heads, hs, problem.num_blocks, num_keys, phase_length,
+        **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "SETS_PAD", "BLOCK_SIZE")},
+        CAUSAL=problem.causal,
+        BLOCK_Q=ENTRY_KEYS_QUERIES,
+    )
+    sorted_keys, order = torch.sort(keys.flatten(), stable=True)
+    first_entry = torch.searchsorted(sorted_keys, torch.arange(num_keys + 1, dtype=key_dtype, device=device))
     chunk = problem.config.dkv_chunk
     chunks = (first_entry.diff() + chunk - 1) // chunk
     chunk_end = chunks.cumsum(0)
-    max_chunks = triton.cdiv(sorted_keys.numel(), chunk) + num_keys
-    chunk_key = torch.searchsorted(chunk_end, torch.arange(max_chunks, device=device), right=True)
-    return _KeyBlockEntries(entries, first_entry, chunk_end - chunks, chunk_key.to(torch.int32), num_keys)
+    max_chunks = triton.cdiv(keys.numel(), chunk) + num_keys
+    chunk_key = torch.searchsorted(chunk_end, torch.arange(max_chunks, device=device), right=True, out_int32=True)
+    return _KeyBlockEntries(entries.flatten()[order], first_entry, chunk_end - chunks, chunk_key, num_keys)
 
 
 def _backward(problem: _Problem, saved, d_out, d_swa_out):
@@ -955,11 +990,10 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         num_stages=config.dq_stages,
     )
 
-    dk_acc = torch.zeros((b, hk, n, d), dtype=torch.float32, device=q.device)
-    dv_acc = torch.zeros_like(dk_acc)
+    dk_acc, dv_acc = torch.zeros((2, b, hk, n, d), dtype=torch.float32, device=q.device)
     constexprs = problem.constexprs
     if constexprs["NUM_SETS"]:
-        table = _key_block_entries(problem, indices, fmask)
+        table = _key_block_entries(problem, sel_idx, sel_mask)
         rows_per_entry = triton.next_power_of_2(hq // hs)
         _dkv_kernel[(table.chunk_key.numel(), problem.block_size // problem.fine_n)](
             q, k, v, d_out, lse, delta, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
