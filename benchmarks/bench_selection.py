@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,6 +211,23 @@ def matmul_tflops() -> float:
     return 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
 
 
+def host_issue_ms(config: Config, problem, iterations: int = 20) -> float:
+    """Median host time of issuing one forward + backward: from a synchronised start to the
+    call's return, the GPU still running. Where it exceeds the GPU time, the host bounds
+    the step."""
+    q, k, v, indices, fmask = problem
+    run = _fwd_and_bwd(lambda: native_sparse_attend(q, k, v, config.block_size, indices, fmask), (q, k, v))
+    run()
+    times = []
+    for _ in range(iterations):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
 def kernel_breakdown(config: Config, problem, iterations: int = 5) -> dict[str, float]:
     """Device time (ms) per kernel of one forward + backward, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -251,6 +270,7 @@ def measure(name: str, n: int, with_reference: bool) -> dict:
     row["reference"] = time_reference(config, problem) if with_reference and reference_fits(config, n) else None
     row["gather"] = gather_floor_ms(config, problem)
     row["flops"], row["bytes"] = selection_work(config, problem)
+    row["host"] = host_issue_ms(config, problem)
     if n == 32768:
         row["breakdown"] = kernel_breakdown(config, problem)
     print(f"{name} n={n:6d}: NSA {_pair(row['fwd'], row['fwd_bwd'])} | flash {_pair(*row['flash'])} | "
@@ -321,6 +341,7 @@ def bottleneck_text(rows: list[dict], tflops: float) -> str:
         return ""
     a = at_32k["A"]
     parts = a["breakdown"]
+    shortest = min((r for r in rows if r["config"] == "B"), key=lambda r: r["n"], default=a)
     bandwidth = a["bytes"] / a["gather"] / 1e9
     block_kb = 2 * CONFIGS["A"].block_size * CONFIGS["A"].head_dim * 2 / 1024
     return (
@@ -342,10 +363,10 @@ def bottleneck_text(rows: list[dict], tflops: float) -> str:
         "values needs fewer bytes per query (selections shared by neighbouring queries, as trained NSA models "
         "produce, would let one program reuse a block across a query tile), not faster arithmetic. At the "
         "shortest lengths the forward + backward hardly scales with n (the table's first rows of each "
-        "config): there the backward is bound by host time, not by the GPU (on the same H100, Python's "
-        "profiler puts about 1.3 ms per call in the inversion's two dozen small PyTorch ops and about 0.1 ms "
-        "in each Triton launch), which leaves dense attention faster at short lengths unless the step is "
-        "replayed from a CUDA graph."
+        f"config): there the step is bound by host time, not by the GPU (issuing one forward + backward of "
+        f"{shortest['config']} at {shortest['n']} takes {_ms(shortest.get('host'))} ms of host time: four Triton "
+        "launches, the sort that inverts the selection and a dozen small PyTorch ops), which leaves dense "
+        "attention faster at short lengths unless the step is replayed from a CUDA graph."
     )
 
 
