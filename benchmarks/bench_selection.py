@@ -106,15 +106,16 @@ def _fwd_and_bwd(forward, inputs):
     return run
 
 
-def time_selection(config: Config, problem) -> tuple[float, float]:
+def _selection_forward(config: Config, problem):
     q, k, v, indices, fmask = problem
+    return lambda: native_sparse_attend(q, k, v, config.block_size, indices, fmask)
 
-    def forward():
-        return native_sparse_attend(q, k, v, config.block_size, indices, fmask)
 
+def time_selection(config: Config, problem) -> tuple[float, float]:
+    forward = _selection_forward(config, problem)
     with torch.no_grad():
         fwd = median_ms(forward)
-    return fwd, median_ms(_fwd_and_bwd(forward, (q, k, v)))
+    return fwd, median_ms(_fwd_and_bwd(forward, problem[:3]))
 
 
 def time_sdpa(problem, backend: str) -> tuple[float | None, float | None]:
@@ -215,8 +216,7 @@ def host_issue_ms(config: Config, problem, iterations: int = 20) -> float:
     """Median host time of issuing one forward + backward: from a synchronised start to the
     call's return, the GPU still running. Where it exceeds the GPU time, the host bounds
     the step."""
-    q, k, v, indices, fmask = problem
-    run = _fwd_and_bwd(lambda: native_sparse_attend(q, k, v, config.block_size, indices, fmask), (q, k, v))
+    run = _fwd_and_bwd(_selection_forward(config, problem), problem[:3])
     run()
     times = []
     for _ in range(iterations):
@@ -232,8 +232,7 @@ def kernel_breakdown(config: Config, problem, iterations: int = 5) -> dict[str, 
     """Device time (ms) per kernel of one forward + backward, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, v, indices, fmask = problem
-    run = _fwd_and_bwd(lambda: native_sparse_attend(q, k, v, config.block_size, indices, fmask), (q, k, v))
+    run = _fwd_and_bwd(_selection_forward(config, problem), problem[:3])
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

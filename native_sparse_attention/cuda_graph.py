@@ -1,8 +1,8 @@
 """A training micro-step (forward, loss, backward) captured once into a CUDA graph.
 
-Short sequences leave the GPU waiting on Python: an NSA layer launches some two hundred
-kernels per forward and backward, and at a few thousand tokens their launch takes longer
-than their work. Replaying a captured graph launches them all at once.
+Short sequences leave the GPU waiting on Python: an NSA layer launches well over a
+hundred kernels per forward and backward, and at a few thousand tokens their launch takes
+longer than their work. Replaying a captured graph launches them all at once.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ Logits are computed in base 2: ``exp2(q.k * scale * sel * log2(e) - lse * log2(e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import triton
@@ -799,7 +800,7 @@ class _Problem:
     has_sel_scale: bool
     config: LaunchConfig
 
-    @property
+    @cached_property  # read by every launch of a step; the host bounds short sequences
     def constexprs(self) -> dict:
         return dict(
             SEL=self.num_slots,
@@ -918,9 +919,9 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     """indices, fmask: the contiguous [b, hs, n, sel] operands of the kernels.
 
     Inverts the selection on the device, without a host synchronisation: the grid of
-    _dkv_kernel is an upper bound on the number of chunks, known from the shapes. The
-    entries are labelled by one kernel rather than two dozen PyTorch ops: below ~16k
-    tokens the backward is bound by the host's launches, not by the GPU.
+    _dkv_kernel is an upper bound on the number of chunks, known from the shapes. One
+    kernel labels the entries and a dozen ops finish the table: below ~16k tokens the
+    backward is bound by the host's launches, not by the GPU.
 
     Keys are phase-major so that the programs running at the same time gather the q and
     dO rows of one phase of queries, a working set that fits in L2 where whole q and dO
