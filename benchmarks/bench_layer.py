@@ -9,7 +9,9 @@ layer runs its Triton path (``use_triton_kernel=True``), the dense layer is
 Timings are CUDA-event medians (``triton.testing.do_bench``) of a training step's
 forward (autograd on) and of forward + backward with an fp32 input that requires grad,
 launched eagerly and, for forward + backward, also replayed from a CUDA graph (the GPU
-time without Python and launch overhead, which dominates short sequences).
+time without Python and launch overhead, which dominates short sequences) and run through
+``torch.compile(fullgraph=True, mode="reduce-overhead")``, what a training loop gets from
+one line.
 Peak memory is ``torch.cuda.max_memory_allocated`` over one forward + backward, counted
 from a reset after the layer, its input and the output gradient are allocated.
 
@@ -53,6 +55,7 @@ class Measurement:
     fwd_ms: float | None = None
     step_ms: float | None = None
     graph_step_ms: float | None = None
+    compiled_step_ms: float | None = None
     peak_gib: float | None = None
     error: str | None = None
 
@@ -96,6 +99,7 @@ def measure(kind: str, n: int) -> Measurement:
         result.fwd_ms = median_ms(forward)
         result.step_ms = median_ms(forward_backward)
         result.graph_step_ms = graphed_ms(forward_backward)
+        result.compiled_step_ms = compiled_ms(layer, x, grad_out)
     except torch.OutOfMemoryError:
         result.error = "OOM"
     finally:
@@ -109,6 +113,25 @@ def graphed_ms(step) -> float:
     """Median time of ``step`` captured once into a CUDA graph and replayed."""
     graph, _ = capture(step)
     return median_ms(graph.replay)
+
+
+def compiled_ms(layer, x, grad_out) -> float:
+    """Median time of forward + backward through ``torch.compile(layer, fullgraph=True,
+    mode="reduce-overhead")``: one graph each way, replayed from CUDA graphs once warm."""
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead", dynamic=False)
+    _, forward_backward = step_fns(compiled, x, grad_out)
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        forward_backward()
+
+    for _ in range(3):  # compile, warm up, record
+        step()
+    try:
+        return median_ms(step)
+    finally:
+        torch._dynamo.reset()
 
 
 def profile(n: int, path: Path | None) -> str:
@@ -177,11 +200,13 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def report(results: dict[int, dict[str, Measurement]], profile_summary: str | None) -> str:
     header = ["n", "dense fwd ms", "dense fwd+bwd ms", "dense peak GiB", "NSA fwd ms",
               "NSA fwd+bwd ms", "NSA peak GiB", "fwd+bwd speed-up", "peak ratio",
-              "CUDA graph fwd+bwd ms, dense / NSA", "speed-up, CUDA graph"]
+              "CUDA graph fwd+bwd ms, dense / NSA", "speed-up, CUDA graph",
+              "torch.compile fwd+bwd ms, dense / NSA", "speed-up, torch.compile"]
     rows = []
     for n, pair in results.items():
         dense, nsa = pair["dense"], pair["nsa"]
-        speedup, ratio, graph_speedup = (_ratio(pair, attr) for attr in ("step_ms", "peak_gib", "graph_step_ms"))
+        speedup, ratio, graph_speedup, compiled_speedup = (
+            _ratio(pair, attr) for attr in ("step_ms", "peak_gib", "graph_step_ms", "compiled_step_ms"))
         rows.append([
             n,
             dense.error or _fmt(dense.fwd_ms), dense.error or _fmt(dense.step_ms), dense.error or _fmt(dense.peak_gib),
@@ -189,6 +214,8 @@ def report(results: dict[int, dict[str, Measurement]], profile_summary: str | No
             "-" if speedup is None else f"{speedup:.2f}x", _fmt(ratio),
             f"{_fmt(dense.graph_step_ms)} / {_fmt(nsa.graph_step_ms)}",
             "-" if graph_speedup is None else f"{graph_speedup:.2f}x",
+            f"{_fmt(dense.compiled_step_ms)} / {_fmt(nsa.compiled_step_ms)}",
+            "-" if compiled_speedup is None else f"{compiled_speedup:.2f}x",
         ])
     lines = [
         "## Layer: NSA vs dense attention (`benchmarks/bench_layer.py`)",
@@ -200,7 +227,10 @@ def report(results: dict[int, dict[str, Measurement]], profile_summary: str | No
         "`SparseAttention(use_triton_kernel=True)`; dense: `FullAttention` (SDPA). Medians of "
         "CUDA-event timings; fwd is a training forward (autograd on); peak is "
         "`torch.cuda.max_memory_allocated` over one forward + backward, input (fp32, requires "
-        "grad) and weights included.",
+        "grad) and weights included. CUDA graph: the eager step captured once "
+        "(`native_sparse_attention.cuda_graph.capture`) and replayed; torch.compile: "
+        "`torch.compile(layer, fullgraph=True, mode=\"reduce-overhead\")`, whose graphs hold the "
+        "kernels as custom operators and replay from CUDA graphs.",
         "",
         markdown_table(header, rows),
         "",

@@ -403,7 +403,7 @@ class SparseAttention(nn.Module):
         """Fast path of the compressed branch and the block selection (Triton kernels).
 
         q: [b, hq, n, d], ck, cv: [b, hk, nc, d] -> (out [b, hq, n, d], BlockSelection).
-        The selection's scores are differentiable, which ``use_diff_topk`` relies on.
+        The selection's scores are differentiable when ``use_diff_topk`` needs them.
         """
         from native_sparse_attention.kernels.compressed import compressed_attend_and_select
 
@@ -411,7 +411,7 @@ class SparseAttention(nn.Module):
         out, _, selection = compressed_attend_and_select(
             q, ck_all, cv_all, self.compress_block_size, self.compress_stride, self.num_mem,
             self.selection_block_size, self.num_selected_blocks, causal=self.causal,
-            share_selection=self.share_selection,
+            share_selection=self.share_selection, scores_require_grad=self.use_diff_topk,
         )
         if self.recorder is not None:
             self._record(selected_indices=selection.indices, selected_mask=selection.mask)

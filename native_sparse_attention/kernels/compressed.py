@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.library import launcher_op
 from native_sparse_attention.reference import compressed_attend
 from native_sparse_attention.selection import (
     BlockSelection,
@@ -833,41 +834,81 @@ def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
     return BlockSelection(indices, mask, scores)
 
 
+def _fake_attend_and_select(q, ck, cv, *geometry):
+    geo = _Geometry(*geometry)
+    b, hq, n, _ = q.shape
+    shape = (b, ck.shape[1] if geo.share_selection else hq, n, geo.num_selected)
+    return (q.new_empty(q.shape), q.new_empty((b, hq, n), dtype=torch.float32),
+            q.new_empty(shape, dtype=torch.int64), q.new_empty(shape, dtype=torch.bool),
+            q.new_empty(shape, dtype=torch.float32))
+
+
+@launcher_op("compressed_attend_and_select", _fake_attend_and_select)
+def _attend_and_select_forward(
+    q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, compress_block_size: int,
+    compress_stride: int, num_mem: int, causal: bool, scale: float, selection_block_size: int,
+    num_selected: int, share_selection: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (out, lse, indices, mask, scores); the arguments after cv are _Geometry's fields."""
+    geo = _Geometry(compress_block_size, compress_stride, num_mem, causal, scale,
+                    selection_block_size, num_selected, share_selection)
+    out, lse = _attention_forward(q, ck, cv, geo)
+    return (out, lse, *_select(q, ck, lse, geo))
+
+
+def _fake_attend_and_select_backward(dout, dscores, q, ck, cv, *_):
+    return q.new_empty(q.shape), ck.new_empty(ck.shape), cv.new_empty(cv.shape)
+
+
+@launcher_op("compressed_attend_and_select_backward", _fake_attend_and_select_backward)
+def _attend_and_select_backward(
+    dout: torch.Tensor | None, dscores: torch.Tensor | None, q: torch.Tensor, ck: torch.Tensor,
+    cv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, indices: torch.Tensor,
+    mask: torch.Tensor, compress_block_size: int, compress_stride: int, num_mem: int,
+    causal: bool, scale: float, selection_block_size: int, num_selected: int,
+    share_selection: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dck, dcv) from the gradients of out and of the selection scores."""
+    geo = _Geometry(compress_block_size, compress_stride, num_mem, causal, scale,
+                    selection_block_size, num_selected, share_selection)
+    dout = torch.zeros_like(out) if dout is None else _rows_last_contiguous(dout)
+    score_grad = None
+    if dscores is not None and dscores.numel() > 0:
+        score_grad = torch.where(mask, dscores, 0.0).float()
+    return _attention_backward(dout, q, ck, cv, out, lse, geo, indices, score_grad)
+
+
 class _CompressedAttendAndSelect(torch.autograd.Function):
     """Flash-style compressed attention and the fused block selection.
 
-    Differentiable outputs: ``out`` and the selection ``scores`` (both w.r.t. q, ck, cv);
-    ``lse``, ``indices`` and ``mask`` are not.
+    Differentiable outputs: ``out`` and, when ``scores_require_grad``, the selection
+    ``scores`` (both w.r.t. q, ck, cv); ``lse``, ``indices`` and ``mask`` are not.
+    ``geometry``: _Geometry's fields.
     """
 
     @staticmethod
-    def forward(ctx, q, ck, cv, geo: _Geometry):
-        out, lse = _attention_forward(q, ck, cv, geo)
-        selection = _select(q, ck, lse, geo)
-        ctx.save_for_backward(q, ck, cv, out, lse, selection.indices, selection.mask)
-        ctx.geo = geo
-        ctx.mark_non_differentiable(lse, selection.indices, selection.mask)
+    def forward(ctx, q, ck, cv, scores_require_grad, *geometry):
+        out, lse, indices, mask, scores = _attend_and_select_forward(q, ck, cv, *geometry)
+        ctx.save_for_backward(q, ck, cv, out, lse, indices, mask)
+        ctx.geometry = geometry
+        ctx.scores_require_grad = scores_require_grad
+        ctx.mark_non_differentiable(lse, indices, mask)
+        if not scores_require_grad:
+            ctx.mark_non_differentiable(scores)
         ctx.set_materialize_grads(False)
-        return out, lse, *selection
+        return out, lse, indices, mask, scores
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dindices, _dmask, dscores):
-        q, ck, cv, out, lse, indices, mask = ctx.saved_tensors
+        # Compiled graphs hand zeros, not None, for gradients nobody produced: a zero
+        # dscores would still run the scores' (slower) backward path.
+        if not ctx.scores_require_grad:
+            dscores = None
+        no_grads = (None,) * (1 + len(ctx.geometry))
         if dout is None and dscores is None:
-            return None, None, None, None
-        dout = torch.zeros_like(out) if dout is None else _rows_last_contiguous(dout)
-        score_grad = None
-        if dscores is not None and dscores.numel() > 0:
-            score_grad = torch.where(mask, dscores, 0.0).float()
-        dq, dck, dcv = _attention_backward(dout, q, ck, cv, out, lse, ctx.geo, indices, score_grad)
-        return dq, dck, dcv, None
-
-
-# torch.compile runs the kernels as an opaque eager call: Inductor (torch 2.11) fails to
-# lower the bool mask these kernels write ("torch.bool is not supported by torch.iinfo").
-@torch.compiler.disable
-def _attend_and_select_kernels(q, ck, cv, geo: _Geometry):
-    return _CompressedAttendAndSelect.apply(q, ck, cv, geo)
+            return None, None, None, *no_grads
+        dq, dck, dcv = _attend_and_select_backward(dout, dscores, *ctx.saved_tensors, *ctx.geometry)
+        return dq, dck, dcv, *no_grads
 
 
 def _reference_attend_and_select(q, ck, cv, geo: _Geometry):
@@ -952,6 +993,7 @@ def compressed_attend_and_select(
     causal: bool = True,
     share_selection: bool = True,
     scale: float | None = None,
+    scores_require_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, BlockSelection]:
     """Compressed-branch attention and the selection blocks it ranks, without ever
     materialising the ``[n, nc]`` probabilities.
@@ -969,7 +1011,8 @@ def compressed_attend_and_select(
     ``hs = hk`` when ``share_selection`` (importance summed over the group) else ``hq``.
     ``out`` and the selection's ``scores`` (float32) are differentiable w.r.t. q, ck and
     cv, the scores through the probabilities they sum (what NSA's differentiable top-n
-    needs). fp32 inputs use TF32 matmuls on the GPU.
+    needs); ``scores_require_grad=False`` detaches the scores, which also keeps compiled
+    graphs off the scores' backward path. fp32 inputs use TF32 matmuls on the GPU.
 
     CUDA tensors (or any tensors with ``TRITON_INTERPRET=1``) run the Triton kernels;
     other CPU tensors fall back to the PyTorch reference and ``selection.py``, which do
@@ -977,11 +1020,15 @@ def compressed_attend_and_select(
     """
     _validate(q, ck, cv, compress_block_size, compress_stride, num_mem,
               selection_block_size, num_selected, scale)
-    geo = _Geometry(compress_block_size, compress_stride, num_mem, bool(causal),
-                    float(q.shape[-1] ** -0.5 if scale is None else scale),
-                    selection_block_size, num_selected, bool(share_selection))
+    geometry = (compress_block_size, compress_stride, num_mem, bool(causal),
+                float(q.shape[-1] ** -0.5 if scale is None else scale),
+                selection_block_size, num_selected, bool(share_selection))
+    geo = _Geometry(*geometry)
     if not _use_kernels(q.device):
-        return _reference_attend_and_select(q, ck, cv, geo)
+        out, lse, selection = _reference_attend_and_select(q, ck, cv, geo)
+        if not scores_require_grad:
+            selection = selection._replace(scores=selection.scores.detach())
+        return out, lse, selection
     q, ck, cv = (_rows_last_contiguous(t) for t in (q, ck, cv))
-    out, lse, indices, mask, scores = _attend_and_select_kernels(q, ck, cv, geo)
+    out, lse, indices, mask, scores = _CompressedAttendAndSelect.apply(q, ck, cv, bool(scores_require_grad), *geometry)
     return out, lse, BlockSelection(indices, mask, scores)

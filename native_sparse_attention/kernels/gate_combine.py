@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.library import launcher_op
+
 __all__ = ["gated_sum"]
 
 
@@ -149,38 +151,62 @@ def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _fake_forward(gates, branch0, branch1, branch2):
+    b, h, n, d = branch0.shape
+    return branch0.new_empty((b, n, h * d), dtype=torch.promote_types(gates.dtype, branch0.dtype))
+
+
+@launcher_op("gated_sum", _fake_forward)
+def _forward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor,
+             branch2: torch.Tensor) -> torch.Tensor:
+    """gates: [3, b, h, n], branches: [b, h, n, d] -> [b, n, h * d]"""
+    b, h, n, d = branch0.shape
+    out_dtype = torch.promote_types(gates.dtype, branch0.dtype)
+    out = torch.empty(b, n, h * d, dtype=out_dtype, device=branch0.device)
+    grid = (b * h, triton.cdiv(n, _BLOCK_N))
+    _gated_sum_fwd_kernel[grid](
+        gates, branch0, branch1, branch2, out,
+        *gates.stride(),
+        *_bhn_strides(branch0), *_bhn_strides(branch1), *_bhn_strides(branch2),
+        h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d),
+    )
+    return out
+
+
+def _fake_backward(gates, branch0, branch1, branch2, dout):
+    return (gates.new_empty(gates.shape), branch0.new_empty(branch0.shape),
+            branch1.new_empty(branch1.shape), branch2.new_empty(branch2.shape))
+
+
+@launcher_op("gated_sum_backward", _fake_backward)
+def _backward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor, branch2: torch.Tensor,
+              dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dout: [b, n, h * d] -> (dgates [3, b, h, n], dbranch0, dbranch1, dbranch2 [b, h, n, d])"""
+    branches = (branch0, branch1, branch2)
+    b, h, n, d = branch0.shape
+    dout = dout.contiguous()
+    grads = [torch.empty(b, h, n, d, dtype=t.dtype, device=t.device) for t in branches]
+    dgates = torch.empty(3, b, h, n, dtype=torch.float32, device=dout.device)
+    grid = (b * h, triton.cdiv(n, _BLOCK_N))
+    _gated_sum_bwd_kernel[grid](
+        gates, *branches, dout, *grads, dgates,
+        *gates.stride(),
+        *(stride for t in branches for stride in _bhn_strides(t)),
+        dout.stride(0), dout.stride(1),
+        h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d),
+    )
+    return (dgates.to(gates.dtype), *grads)
+
+
 class _GatedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gates, branch0, branch1, branch2):
-        b, h, n, d = branch0.shape
-        out_dtype = torch.promote_types(gates.dtype, branch0.dtype)
-        out = torch.empty(b, n, h * d, dtype=out_dtype, device=branch0.device)
-        grid = (b * h, triton.cdiv(n, _BLOCK_N))
-        _gated_sum_fwd_kernel[grid](
-            gates, branch0, branch1, branch2, out,
-            *gates.stride(),
-            *_bhn_strides(branch0), *_bhn_strides(branch1), *_bhn_strides(branch2),
-            h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d),
-        )
         ctx.save_for_backward(gates, branch0, branch1, branch2)
-        return out
+        return _forward(gates, branch0, branch1, branch2)
 
     @staticmethod
     def backward(ctx, dout):
-        gates, *branches = ctx.saved_tensors
-        b, h, n, d = branches[0].shape
-        dout = dout.contiguous()
-        grads = [torch.empty(b, h, n, d, dtype=t.dtype, device=t.device) for t in branches]
-        dgates = torch.empty(3, b, h, n, dtype=torch.float32, device=dout.device)
-        grid = (b * h, triton.cdiv(n, _BLOCK_N))
-        _gated_sum_bwd_kernel[grid](
-            gates, *branches, dout, *grads, dgates,
-            *gates.stride(),
-            *(stride for t in branches for stride in _bhn_strides(t)),
-            dout.stride(0), dout.stride(1),
-            h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d),
-        )
-        return (dgates.to(gates.dtype), *grads)
+        return _backward(*ctx.saved_tensors, dout)
 
 
 def gated_sum(gates: torch.Tensor, compressed: torch.Tensor, selected: torch.Tensor,

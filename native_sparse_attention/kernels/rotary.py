@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.library import launcher_op
+
 __all__ = ["apply_rotary"]
 
 _TWO_PI = tl.constexpr(2 * math.pi)
@@ -103,6 +105,11 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _fake_rotate(t, inv_freq, offset, inverse):
+    return t.new_empty(t.shape)
+
+
+@launcher_op("rotary", _fake_rotate)
 def _rotate(t: torch.Tensor, inv_freq: torch.Tensor, offset: int, inverse: bool) -> torch.Tensor:
     """t: [b, h, n, d] (any strides) -> contiguous [b, h, n, d], rotated by +a (-a if inverse)."""
     b, h, n, d = t.shape

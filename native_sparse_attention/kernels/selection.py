@@ -72,6 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.library import launcher_op
+
 __all__ = ["LaunchConfig", "default_launch_config", "selection_attention"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -872,18 +874,19 @@ def _selection_operands(indices, fmask, sel_scale, fallback: torch.Tensor):
 
 
 def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
+    """(out, lse, swa_out, swa_lse); the window's two are empty without a window."""
     b, hq, n, d = problem.batch, problem.query_heads, problem.seq_len, problem.head_dim
     out = _empty((b, hq, n, d), q.dtype, q.device)
     lse = _empty((b, hq, n), torch.float32, q.device)
     sliding = problem.window is not None
-    swa_out = _empty((b, hq, n, d), q.dtype, q.device) if sliding else out
-    swa_lse = _empty((b, hq, n), torch.float32, q.device) if sliding else lse
+    swa_out = _empty((b, hq, n, d) if sliding else (0,), q.dtype, q.device)
+    swa_lse = _empty((b, hq, n) if sliding else (0,), torch.float32, q.device)
     sel_idx, sel_mask, sel_scale = _selection_operands(indices, fmask, sel_scale, lse)
     window_tiles = problem.num_window_tiles(for_dq=False) if sliding else 0
     window = problem.window_constexprs(for_dq=False) if sliding else dict(WINDOW=0, HEADS_PAD=1, WINDOW_ROWS=1,
                                                                             WINDOW_N=1)
     _fwd_kernel[(window_tiles + n, problem.selection_heads, b)](
-        q, k, v, sel_idx, sel_mask, sel_scale, out, lse, swa_out, swa_lse,
+        q, k, v, sel_idx, sel_mask, sel_scale, out, lse, swa_out if sliding else out, swa_lse if sliding else lse,
         *_strides(q), *_strides(k), *_strides(v),
         n, hq, problem.selection_heads, window_tiles, problem.scale,
         **problem.constexprs,
@@ -893,7 +896,7 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
         num_warps=problem.config.fwd_warps,
         num_stages=problem.config.fwd_stages,
     )
-    return out, lse, (swa_out if sliding else None), (swa_lse if sliding else None)
+    return out, lse, swa_out, swa_lse
 
 
 @dataclass(frozen=True)
@@ -1031,30 +1034,88 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             num_stages=config.window_stages,
         )
     else:
-        dk, dv = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-    if dsel is not None:
-        dsel = dsel.to(sel_scale.dtype)
+        # Copies even in float32: the operator's outputs must not share the accumulators' storage.
+        dk, dv = dk_acc.to(k.dtype, copy=True), dv_acc.to(v.dtype, copy=True)
+    dsel = _empty((0,), q.dtype, q.device) if dsel is None else dsel.to(sel_scale.dtype)
     return dq, dk, dv, dsel
+
+
+def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, window: int | None,
+             scale: float) -> _Problem:
+    b, hq, n, d = q.shape
+    hs = indices.shape[1]
+    return _Problem(
+        batch=b,
+        query_heads=hq,
+        kv_heads=k.shape[1],
+        selection_heads=hs,
+        seq_len=n,
+        head_dim=d,
+        num_slots=indices.shape[-1],
+        block_size=block_size,
+        causal=causal,
+        window=window,
+        scale=scale,
+        has_sel_scale=has_sel_scale,
+        config=default_launch_config(block_size, d, q.dtype, window is not None, shared_heads=hq // hs),
+    )
+
+
+def _fake_forward(q, k, v, indices, fmask, sel_scale, block_size, causal, window, scale):
+    b, hq, n, _ = q.shape
+    lse = q.new_empty((b, hq, n), dtype=torch.float32)
+    if window is None:
+        return q.new_empty(q.shape), lse, q.new_empty(0), lse.new_empty(0)
+    return q.new_empty(q.shape), lse, q.new_empty(q.shape), lse.new_empty(lse.shape)
+
+
+@launcher_op("selection_forward", _fake_forward)
+def _launch_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, fmask: torch.Tensor,
+    sel_scale: torch.Tensor | None, block_size: int, causal: bool, window: int | None, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (out, lse, swa_out, swa_lse); swa_out and swa_lse are empty when window is None."""
+    problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale)
+    return _forward(problem, q, k, v, indices, fmask, sel_scale)
+
+
+def _fake_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse, d_out, d_swa_out,
+                   block_size, causal, window, scale):
+    dsel = q.new_empty(0) if sel_scale is None else sel_scale.new_empty(indices.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsel
+
+
+@launcher_op("selection_backward", _fake_backward)
+def _launch_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, fmask: torch.Tensor,
+    sel_scale: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, swa_out: torch.Tensor,
+    swa_lse: torch.Tensor, d_out: torch.Tensor | None, d_swa_out: torch.Tensor | None,
+    block_size: int, causal: bool, window: int | None, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv, dsel_scale); dsel_scale is empty when sel_scale is None."""
+    problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale)
+    saved = (q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse)
+    return _backward(problem, saved, d_out, d_swa_out)
 
 
 class _SelectionAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sel_scale, indices, fmask, problem: _Problem):
-        out, lse, swa_out, swa_lse = _forward(problem, q, k, v, indices, fmask, sel_scale)
-        ctx.problem = problem
+    def forward(ctx, q, k, v, sel_scale, indices, fmask, block_size, causal, window, scale):
+        options = (block_size, causal, window, scale)
+        out, lse, swa_out, swa_lse = _launch_forward(q, k, v, indices, fmask, sel_scale, *options)
+        ctx.options = options
         ctx.save_for_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse)
         ctx.mark_non_differentiable(lse)
-        return out, swa_out, lse
+        return out, (swa_out if window is not None else None), lse
 
     @staticmethod
     def backward(ctx, d_out, d_swa_out, _d_lse):
-        dq, dk, dv, dsel = _backward(ctx.problem, ctx.saved_tensors, d_out, d_swa_out)
-        return dq, dk, dv, dsel, None, None, None
+        saved = ctx.saved_tensors
+        dq, dk, dv, dsel = _launch_backward(*saved, d_out, d_swa_out, *ctx.options)
+        has_sel_scale = saved[5] is not None
+        return dq, dk, dv, (dsel if has_sel_scale else None), None, None, None, None, None, None
 
 
-# torch.compile runs the kernels as an opaque eager call: Inductor (torch 2.11) fails to
-# lower the bool selection mask they read ("torch.bool is not supported by torch.iinfo").
-@torch.compiler.disable
 def selection_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1066,7 +1127,6 @@ def selection_attention(
     include_block_causal: bool,
     sliding_window_size: int | None,
     scale: float,
-    config: LaunchConfig | None = None,
 ):
     """Selected attention (and, when ``sliding_window_size`` is given, sliding-window
     attention) on the Triton kernels; differentiable in q, k, v and sel_scale.
@@ -1076,23 +1136,7 @@ def selection_attention(
     [b, hs, n, sel] with hs in {hk, hq}.
     Returns (out [b, hq, n, d], sliding_out [b, hq, n, d] or None, lse [b, hq, n] float32).
     """
-    b, hq, n, d = q.shape
-    if config is None:
-        config = default_launch_config(block_size, d, q.dtype, sliding_window_size is not None,
-                                       shared_heads=hq // selected_block_indices.shape[1])
-    problem = _Problem(
-        batch=b,
-        query_heads=hq,
-        kv_heads=k.shape[1],
-        selection_heads=selected_block_indices.shape[1],
-        seq_len=n,
-        head_dim=d,
-        num_slots=selected_block_indices.shape[-1],
-        block_size=block_size,
-        causal=include_block_causal,
-        window=sliding_window_size,
-        scale=scale,
-        has_sel_scale=sel_scale is not None,
-        config=config,
+    return _SelectionAttention.apply(
+        q, k, v, sel_scale, selected_block_indices, fmask, block_size, include_block_causal,
+        sliding_window_size, scale,
     )
-    return _SelectionAttention.apply(q, k, v, sel_scale, selected_block_indices, fmask, problem)

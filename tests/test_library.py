@@ -1,0 +1,104 @@
+"""The kernel launchers as ``torch.library`` operators, and the layer under ``torch.compile``.
+
+``torch.library.opcheck`` runs each operator for real and checks its schema (no output
+aliasing an input or another output, no undeclared mutation) and its fake
+implementation (the shapes, dtypes and strides of the real outputs). Without CUDA the
+kernels run under the Triton interpreter on small float32 problems.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from native_sparse_attention import SparseAttention
+from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection  # noqa: F401 (registration)
+from native_sparse_attention.kernels.library import NAMESPACE
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+OPS = getattr(torch.ops, NAMESPACE)
+# The operators' real and fake outputs, compared; no autograd formula is registered on
+# the operators themselves (the autograd.Functions around them carry it).
+CHECKS = ("test_schema", "test_faketensor")
+
+
+def _randn(*shape):
+    return torch.randn(*shape, device=DEVICE)
+
+
+def _selection_inputs(window, with_scale, per_query_head=False):
+    b, hq, hk, n, d, slots = 1, 2, 1, 20, 16, 2
+    hs = hq if per_query_head else hk
+    q, k, v = _randn(b, hq, n, d), _randn(b, hk, n, d), _randn(b, hk, n, d)
+    indices = torch.randint(0, 3, (b, hs, n, slots), device=DEVICE)
+    fmask = torch.rand(b, hs, n, slots, device=DEVICE) > 0.3
+    sel_scale = torch.rand(b, hs, n, slots, device=DEVICE) if with_scale else None
+    return q, k, v, indices, fmask, sel_scale, 16, True, window, 0.25
+
+
+@pytest.mark.parametrize("window, with_scale, per_query_head", [(8, True, False), (None, False, True)])
+def test_selection_operators(window, with_scale, per_query_head):
+    inputs = _selection_inputs(window, with_scale, per_query_head)
+    torch.library.opcheck(OPS.selection_forward, inputs, test_utils=CHECKS)
+    out, lse, swa_out, swa_lse = OPS.selection_forward(*inputs)
+    grads = (torch.randn_like(out), torch.randn_like(swa_out) if window is not None else None)
+    backward_inputs = (*inputs[:6], out, lse, swa_out, swa_lse, *grads, *inputs[6:])
+    torch.library.opcheck(OPS.selection_backward, backward_inputs, test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("share_selection", [True, False])
+def test_compressed_operators(share_selection):
+    q, ck, cv = _randn(1, 2, 40, 16), _randn(1, 1, 9, 16), _randn(1, 1, 9, 16)
+    geometry = (8, 4, 1, True, 0.25, 16, 2, share_selection)
+    torch.library.opcheck(OPS.compressed_attend_and_select, (q, ck, cv, *geometry), test_utils=CHECKS)
+    out, lse, indices, mask, scores = OPS.compressed_attend_and_select(q, ck, cv, *geometry)
+    for dout, dscores in ((torch.randn_like(out), torch.randn_like(scores)), (None, torch.randn_like(scores))):
+        backward_inputs = (dout, dscores, q, ck, cv, out, lse, indices, mask, *geometry)
+        torch.library.opcheck(OPS.compressed_attend_and_select_backward, backward_inputs, test_utils=CHECKS)
+
+
+def test_rotary_and_gate_operators():
+    t = _randn(1, 2, 20, 16).transpose(1, 2).contiguous().transpose(1, 2)  # strided input
+    torch.library.opcheck(OPS.rotary, (t, torch.rand(8, device=DEVICE), 3, False), test_utils=CHECKS)
+    gates, branches = torch.rand(3, 1, 2, 20, device=DEVICE), [_randn(1, 2, 20, 16) for _ in range(3)]
+    torch.library.opcheck(OPS.gated_sum, (gates, *branches), test_utils=CHECKS)
+    torch.library.opcheck(OPS.gated_sum_backward, (gates, *branches, _randn(1, 20, 32)), test_utils=CHECKS)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU tests compile the layer with Inductor")
+@pytest.mark.parametrize("use_diff_topk", [True, False])
+def test_fast_path_layer_compiles_to_one_graph(monkeypatch, use_diff_topk):
+    """fullgraph=True fails on any graph break; the compiled layer runs the same kernels,
+    and without use_diff_topk its backward skips the selection scores' gradient path
+    (compiled graphs pass zeros where eager autograd passes None)."""
+    config = dict(
+        dim=32, dim_head=16, heads=2, kv_heads=1, sliding_window_size=8, compress_block_size=8,
+        compress_block_sliding_stride=4, selection_block_size=16, num_selected_blocks=2,
+    )
+    monkeypatch.setattr(SparseAttention, "_use_fast_path", lambda self, x: self.use_triton_kernel)
+    score_grads = []
+    attention_backward = compressed._attention_backward
+
+    def recording_backward(*args):
+        score_grads.append(args[-1])
+        return attention_backward(*args)
+
+    monkeypatch.setattr(compressed, "_attention_backward", recording_backward)
+    torch.manual_seed(0)
+    layer = SparseAttention(**config, use_triton_kernel=True, use_diff_topk=use_diff_topk)
+    compiled = copy.deepcopy(layer)
+    compiled.compile(fullgraph=True, backend="aot_eager")
+    x = torch.randn(1, 40, config["dim"])
+    results = []
+    for module in (layer, compiled):
+        x_in = x.clone().requires_grad_()
+        module(x_in).square().sum().backward()
+        results.append([x_in.grad, *(p.grad for p in module.parameters())])
+    for eager_grad, compiled_grad in zip(*results):
+        torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5, atol=1e-6)
+    assert len(score_grads) == 2
+    assert all((grad is not None) == use_diff_topk for grad in score_grads)
