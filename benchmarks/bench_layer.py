@@ -99,7 +99,6 @@ def measure(kind: str, n: int) -> Measurement:
         result.fwd_ms = median_ms(forward)
         result.step_ms = median_ms(forward_backward)
         result.graph_step_ms = graphed_ms(forward_backward)
-        result.compiled_step_ms = compiled_ms(layer, x, grad_out)
     except torch.OutOfMemoryError:
         result.error = "OOM"
     finally:
@@ -115,23 +114,34 @@ def graphed_ms(step) -> float:
     return median_ms(graph.replay)
 
 
-def compiled_ms(layer, x, grad_out) -> float:
+def compiled_ms(kind: str, n: int) -> float | None:
     """Median time of forward + backward through ``torch.compile(layer, fullgraph=True,
-    mode="reduce-overhead")``: one graph each way, replayed from CUDA graphs once warm."""
+    mode="reduce-overhead")``: one graph each way, replayed from CUDA graphs once warm;
+    None when out of memory."""
     torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead", dynamic=False)
-    _, forward_backward = step_fns(compiled, x, grad_out)
-
-    def step():
-        torch.compiler.cudagraph_mark_step_begin()
-        forward_backward()
-
-    for _ in range(3):  # compile, warm up, record
-        step()
+    layer = x = grad_out = None
     try:
+        torch.manual_seed(0)
+        layer = build(kind)
+        x = torch.randn(1, n, DIM, device="cuda", requires_grad=True)
+        grad_out = torch.randn(1, n, DIM, device="cuda")
+        compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead", dynamic=False)
+        _, forward_backward = step_fns(compiled, x, grad_out)
+
+        def step():
+            torch.compiler.cudagraph_mark_step_begin()
+            forward_backward()
+
+        for _ in range(3):  # compile, warm up, record
+            step()
         return median_ms(step)
+    except torch.OutOfMemoryError:
+        return None
     finally:
+        del layer, x, grad_out
         torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def profile(n: int, path: Path | None) -> str:
@@ -230,7 +240,9 @@ def report(results: dict[int, dict[str, Measurement]], profile_summary: str | No
         "grad) and weights included. CUDA graph: the eager step captured once "
         "(`native_sparse_attention.cuda_graph.capture`) and replayed; torch.compile: "
         "`torch.compile(layer, fullgraph=True, mode=\"reduce-overhead\")`, whose graphs hold the "
-        "kernels as custom operators and replay from CUDA graphs.",
+        "kernels as custom operators and replay from CUDA graphs. Eager steps of short sequences "
+        "are bound by the host's Python and launch time, which varies by 20% and more between "
+        "machines of the same type; the CUDA graph and torch.compile columns do not depend on it.",
         "",
         markdown_table(header, rows),
         "",
@@ -297,6 +309,12 @@ def main() -> None:
         results[n] = {kind: measure(kind, n) for kind in ("dense", "nsa")}
         dense, nsa = results[n]["dense"], results[n]["nsa"]
         print(f"n={n}: dense {dense}, nsa {nsa}", flush=True)
+    # Compiled runs come last: run between the eager ones, they lowered the peaks measured
+    # after them (both layers', by up to 0.6 GiB).
+    for n in args.seq_lens:
+        for kind, measurement in results[n].items():
+            measurement.compiled_step_ms = compiled_ms(kind, n)
+            print(f"n={n}: {kind} torch.compile fwd+bwd {_fmt(measurement.compiled_step_ms)} ms", flush=True)
     profile_summary = profile(args.profile, args.profile_out) if args.profile else None
     markdown = report(results, profile_summary)
     print(markdown)
