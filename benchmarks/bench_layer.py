@@ -68,6 +68,15 @@ def build(kind: str) -> torch.nn.Module:
     return layer.cuda()
 
 
+def inputs(kind: str, n: int):
+    """A freshly seeded layer, its input x [1, n, DIM] (fp32, requires grad) and an output gradient."""
+    torch.manual_seed(0)
+    layer = build(kind)
+    x = torch.randn(1, n, DIM, device="cuda", requires_grad=True)
+    grad_out = torch.randn(1, n, DIM, device="cuda")
+    return layer, x, grad_out
+
+
 def step_fns(layer, x, grad_out):
     def forward():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -85,10 +94,7 @@ def measure(kind: str, n: int) -> Measurement:
     result = Measurement()
     layer = x = grad_out = None
     try:
-        torch.manual_seed(0)
-        layer = build(kind)
-        x = torch.randn(1, n, DIM, device="cuda", requires_grad=True)
-        grad_out = torch.randn(1, n, DIM, device="cuda")
+        layer, x, grad_out = inputs(kind, n)
         forward, forward_backward = step_fns(layer, x, grad_out)
         forward_backward()  # compile kernels, warm the allocator
         torch.cuda.synchronize()
@@ -121,10 +127,7 @@ def compiled_ms(kind: str, n: int) -> float | None:
     torch._dynamo.reset()
     layer = x = grad_out = None
     try:
-        torch.manual_seed(0)
-        layer = build(kind)
-        x = torch.randn(1, n, DIM, device="cuda", requires_grad=True)
-        grad_out = torch.randn(1, n, DIM, device="cuda")
+        layer, x, grad_out = inputs(kind, n)
         compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead", dynamic=False)
         _, forward_backward = step_fns(compiled, x, grad_out)
 
@@ -149,10 +152,7 @@ def profile(n: int, path: Path | None) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    torch.manual_seed(0)
-    layer = build("nsa")
-    x = torch.randn(1, n, DIM, device="cuda", requires_grad=True)
-    grad_out = torch.randn(1, n, DIM, device="cuda")
+    layer, x, grad_out = inputs("nsa", n)
     _, forward_backward = step_fns(layer, x, grad_out)
     for _ in range(2):
         forward_backward()
