@@ -124,7 +124,6 @@ def compiled_ms(kind: str, n: int) -> float | None:
     """Median time of forward + backward through ``torch.compile(layer, fullgraph=True,
     mode="reduce-overhead")``: one graph each way, replayed from CUDA graphs once warm;
     None when out of memory."""
-    torch._dynamo.reset()
     layer = x = grad_out = None
     try:
         layer, x, grad_out = inputs(kind, n)

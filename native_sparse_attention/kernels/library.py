@@ -41,7 +41,6 @@ def launcher_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
                 return op(*args, **kwargs)
             return launcher(*args, **kwargs)
 
-        call.op = op
         return call
 
     return register
