@@ -355,7 +355,9 @@ def bottleneck_text(rows: list[dict], tflops: float) -> str:
         f"{a['fwd'] / a['gather']:.2f}× that gather floor. The backward streams the same rows again for dQ "
         f"({_ms(parts.get('dQ pass'))} ms; a query-side pass, no atomics) and computes dK and dV key-side "
         f"({_ms(parts.get('dK/dV pass'))} ms): the selection is inverted on the device (a sort of the (query, "
-        "key set) entries by query phase and key block), each program keeps one key block's dK and dV in "
+        "key set) entries by key block, cut into chunks that launch in the order of the first query they read, "
+        "so that the programs running together share q and dO rows in L2), each program keeps one key block's "
+        "dK and dV in "
         "registers over a chunk of the entries that attend it, gathering their q and dO rows (8 KB per entry "
         "at A's 16 heads and d = 128) and doing four of the backward's five matmuls, and adds them atomically "
         "(float32) once. A target below the gather floor of the passes that must read the selected keys and "
@@ -363,8 +365,8 @@ def bottleneck_text(rows: list[dict], tflops: float) -> str:
         "produce, would let one program reuse a block across a query tile), not faster arithmetic. At the "
         "shortest lengths the forward + backward hardly scales with n (the table's first rows of each "
         f"config): there the step is bound by host time, not by the GPU (issuing one forward + backward of "
-        f"{shortest['config']} at {shortest['n']} takes {_ms(shortest.get('host'))} ms of host time: four Triton "
-        "launches, the sort that inverts the selection and a dozen small PyTorch ops), which leaves dense "
+        f"{shortest['config']} at {shortest['n']} takes {_ms(shortest.get('host'))} ms of host time: five Triton "
+        "launches, the sorts that invert the selection and a dozen small PyTorch ops), which leaves dense "
         "attention faster at short lengths unless the step is replayed from a CUDA graph."
     )
 

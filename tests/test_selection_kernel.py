@@ -202,10 +202,10 @@ CASES = {
     "per_query_head_fp16": Case(hq=2, hk=1, n=35, per_query_head=True, dtype=torch.float16),
     "group16_block32": Case(hq=16, hk=1, n=45, d=16, block_size=32, num_slots=2),
     "group1_d24_int32_no_sel_scale": Case(hq=1, hk=1, n=33, d=24, sel_scale=False, index_dtype=torch.int32),
-    # Fine tiles of 16 keys, and the dK / dV pass cut into phases of 8 queries and chunks
-    # of 3 entries, 16 rows a step, so that blocks get several atomically added chunks.
-    "block32_fine16_phases_chunks": Case(hq=2, hk=1, n=40, d=16, block_size=32, num_slots=2,
-                                         launch=(("fine_n", 16), ("dkv_phase", 8), ("dkv_chunk", 3), ("dkv_rows", 16))),
+    # Fine tiles of 16 keys, and the dK / dV pass cut into chunks of 3 entries, 16 rows a
+    # step, so that blocks get several atomically added chunks, launched out of key order.
+    "block32_fine16_chunks": Case(hq=2, hk=1, n=40, d=16, block_size=32, num_slots=2,
+                                  launch=(("fine_n", 16), ("dkv_chunk", 3), ("dkv_rows", 16))),
     "non_causal_block128": Case(hq=2, hk=1, n=40, d=16, block_size=128, num_slots=2, causal=False),
     "non_causal_sliding_per_head": Case(hq=2, hk=1, n=29, d=16, causal=False, window=6, per_query_head=True),
     "non_causal_block64_fp16_strided": Case(hq=2, hk=1, n=40, block_size=64, causal=False, dtype=torch.float16,
@@ -243,6 +243,33 @@ def test_sliding_out_alone_defaults_to_block_size_window():
     assert_close_scaled(sliding, ref_sliding, tol, "sliding_out")
     for name, grad, ref_grad in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), (q64.grad, k64.grad, v64.grad)):
         assert_close_scaled(grad, ref_grad, tol, name)
+
+
+def test_dkv_chunks_launch_by_first_query():
+    """Program p of the dK / dV pass takes chunk ``chunk_order[p]``: every chunk once, the
+    chunks of each (batch, kv head) together, ordered by the query of their first entry."""
+    case = Case(b=2, hq=4, hk=2, n=45, d=16, num_slots=3)
+    q, k, _, indices, fmask, _ = make_inputs(case, seed=3)
+    problem = replace(
+        selection_kernels._problem(q, k, indices, True, case.block_size, True, None, 0.25),
+        config=LaunchConfig(dkv_chunk=4),
+    )
+    table = selection_kernels._key_block_entries(problem, indices.contiguous(), fmask.contiguous().view(torch.uint8))
+    num_chunks = table.chunk_key.numel()
+    assert sorted(table.chunk_order.tolist()) == list(range(num_chunks))
+    launched = []
+    for chunk in table.chunk_order.tolist():
+        key = int(table.chunk_key[chunk])
+        if key == table.num_keys:
+            launched.append((math.inf, math.inf))
+            continue
+        first = int(table.first_entry[key]) + (chunk - int(table.first_chunk[key])) * 4
+        assert first < int(table.first_entry[key + 1])
+        launched.append((key // problem.num_blocks, int(table.entries[first]) >> 32))
+    assert launched == sorted(launched)
+    real = [position for position in launched if position[0] != math.inf]
+    assert len({head for head, _ in real}) == case.b * case.hk
+    assert len({query for _, query in real}) > 1
 
 
 def test_kernels_match_cpu_fallback(monkeypatch):

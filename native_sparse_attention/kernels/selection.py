@@ -17,8 +17,8 @@ BLOCK_SIZE: tokens per selection block; FINE_N: keys per fine block, a multiple 
     dividing BLOCK_SIZE; TILES_PER_BLOCK: BLOCK_SIZE // FINE_N
 WINDOW: the sliding window w; CAUSAL: include_block_causal (also makes the window causal)
 Entry: one (query i, selection head, key set) whose key set is a valid block; it owns
-    SEL_SHARED_HEADS query rows. Key: one (phase of queries, batch z, kv head, key block),
-    numbered ((phase * Z + z) * HKV + kv_head) * NUM_BLOCKS + block; NUM_KEYS of them.
+    SEL_SHARED_HEADS query rows. Key: one (batch z, kv head, key block), numbered
+    (z * HKV + kv_head) * NUM_BLOCKS + block; NUM_KEYS of them.
     M: query rows per step of _dkv_kernel; CHUNK: most entries per _dkv_kernel program
 HEADS_PAD: SEL_SHARED_HEADS rounded up to a power of two; WINDOW_ROWS: rows of a window
     tile, WINDOW_QUERIES (= WINDOW_ROWS // HEADS_PAD) positions of HEADS_PAD heads each;
@@ -51,10 +51,15 @@ key element per (query, kv head): far more traffic than the keys themselves. Ins
 selection is inverted on the device (``_key_block_entries``: ``_entry_keys_kernel``
 labels every entry with its key, a stable sort groups them), and
 
-- ``_dkv_kernel``: one program per chunk of the entries of one key block (and one phase
-  of queries, see LaunchConfig), one fine tile of it per grid column. It gathers the
-  entries' q and dO rows M at a time, keeps dK / dV of its keys in registers and adds
-  them to float32 accumulators once, atomically (several chunks may share a block).
+- ``_dkv_kernel``: one program per chunk of the entries of one key block, one fine tile
+  of it per grid column. It gathers the entries' q and dO rows M at a time, keeps dK / dV
+  of its keys in registers and adds them to float32 accumulators once, atomically
+  (several chunks may share a block). Chunks launch in the order of the first query
+  they gather (``_chunk_position_kernel``), so that the programs running at the same
+  time read q and dO rows of neighbouring queries: a working set that L2 holds where
+  whole q and dO tensors may not (at 32 heads on 2 kv heads, d = 64 and n = 65536,
+  5.00 -> 4.62 ms on an H100). Ordering the entries themselves by query phase did not
+  pay: it cuts chunks short, and the atomic adds grow with their number.
 - ``_sliding_dkv_kernel``: one program per (key tile, kv head, batch z); the window is a
   band, so the queries that see a key tile are known and dK / dV of the window are
   accumulated in registers without atomics. It also adds the selection's float32
@@ -79,8 +84,8 @@ __all__ = ["LaunchConfig", "default_launch_config", "selection_attention"]
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MIN_ROWS = 16  # tl.dot needs M, N and K of at least 16
-MAX_DKV_PHASES = 64  # the key table of _dkv_kernel grows with phases x key blocks
 ENTRY_KEYS_QUERIES = 64  # queries per program of _entry_keys_kernel
+CHUNK_POSITIONS = 1024  # chunks per program of _chunk_position_kernel
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -554,7 +559,7 @@ def _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL: tl.constexpr, NUM_SETS: t
 @triton.jit
 def _entry_keys_kernel(
     SEL_IDX, SEL_MASK, KEYS, ENTRIES,
-    Z, N, HKV, HS, NUM_BLOCKS, NUM_KEYS, PHASE_LENGTH,
+    N, HKV, HS, NUM_BLOCKS, NUM_KEYS,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
@@ -577,8 +582,7 @@ def _entry_keys_kernel(
         valid = (valid & (block <= own)) | (exists & (sets == 0)[None, :])  # the own block is always attended
         block = tl.where((sets == 0)[None, :], own, block)
     kv_head = sel_head // (HS // HKV)
-    phase = (i // PHASE_LENGTH).to(tl.int64)[:, None]
-    key = tl.where(valid, ((phase * Z + z) * HKV + kv_head) * NUM_BLOCKS + block, NUM_KEYS)
+    key = tl.where(valid, (z.to(tl.int64) * HKV + kv_head) * NUM_BLOCKS + block, NUM_KEYS)
     entry = query[:, None] * NUM_SETS + sets[None, :]
     tl.store(KEYS + entry, key.to(KEYS.dtype.element_ty), mask=exists)
     packed = (i.to(tl.int64)[:, None] << 32) | (sel_head * NUM_SETS + sets)[None, :]
@@ -586,24 +590,47 @@ def _entry_keys_kernel(
 
 
 @triton.jit
+def _chunk_position_kernel(
+    ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, POSITION, NUM_CHUNKS, NUM_KEYS, N, NUM_BLOCKS,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Launch position of BLOCK chunks: (z * HKV + kv_head) * N + the query of the chunk's
+    first entry; past every chunk for the spare ones."""
+    chunk = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    exists = chunk < NUM_CHUNKS
+    key = tl.load(CHUNK_KEY + chunk, mask=exists, other=NUM_KEYS)
+    real = key < NUM_KEYS
+    first_entry = tl.load(KEY_FIRST_ENTRY + key, mask=real, other=0)
+    first_chunk = tl.load(KEY_FIRST_CHUNK + key, mask=real, other=0)
+    entry = first_entry + (chunk - first_chunk).to(tl.int64) * CHUNK
+    i = tl.load(ENTRIES + entry, mask=real, other=0) >> 32
+    head = (key // NUM_BLOCKS).to(tl.int64)
+    # Spare chunks (key NUM_KEYS) go after every real one. Scalar arguments equal to 1
+    # arrive as constexprs, hence no .to() on NUM_KEYS or N.
+    position = tl.where(real, head * N + i, key.to(tl.int64) * N)
+    tl.store(POSITION + chunk, position, mask=exists)
+
+
+@triton.jit
 def _dkv_kernel(
-    Q, K, V, DO, LSE, DELTA, SEL_SCALE, ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, DK_ACC, DV_ACC,
+    Q, K, V, DO, LSE, DELTA, SEL_SCALE, ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, CHUNK_ORDER,
+    DK_ACC, DV_ACC,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_doz, stride_doh, stride_don, stride_dod,
-    Z, N, HQ, HKV, HS, NUM_BLOCKS, NUM_KEYS, sm_scale,
+    N, HQ, HKV, HS, NUM_BLOCKS, NUM_KEYS, sm_scale,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr, CHUNK: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the selection for one fine tile of one key block, from one chunk of the
-    entries of one query phase that attend the block, added to the float32 accumulators."""
-    chunk = tl.program_id(0)
-    key = tl.load(CHUNK_KEY + chunk)  # ((phase * Z + z) * HKV + kv_head) * NUM_BLOCKS + block
+    entries that attend the block, added to the float32 accumulators."""
+    chunk = tl.load(CHUNK_ORDER + tl.program_id(0))
+    key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
     if key < NUM_KEYS:  # else a spare program past the last chunk
-        z = (key // (HKV * NUM_BLOCKS)) % Z
+        z = key // (HKV * NUM_BLOCKS)
         kv_head = (key // NUM_BLOCKS) % HKV
         pos = (key % NUM_BLOCKS) * BLOCK_SIZE + tl.program_id(1) * FINE_N + tl.arange(0, FINE_N)
         key_ok = pos < N
@@ -717,10 +744,8 @@ class LaunchConfig:
 
     ``fine_n`` is an upper bound: the kernels use the largest multiple of 16 that divides
     ``block_size`` by halving it, so every block size that is a multiple of 16 works.
-    ``dkv_chunk`` entries (query, key set) of one key block and one phase of
-    ``dkv_phase`` queries (None: all queries; longer when n needs more than
-    MAX_DKV_PHASES phases) go to one program of ``_dkv_kernel``, ``dkv_rows`` query rows
-    per step. The forward's window tiles have ``window_rows`` rows (raised to the padded
+    ``dkv_chunk`` entries (query, key set) of one key block go to one program of
+    ``_dkv_kernel``, ``dkv_rows`` query rows per step. The forward's window tiles have ``window_rows`` rows (raised to the padded
     group when smaller) and walk keys ``window_n`` at a time with the launch's warps;
     ``window_dq_rows`` and ``window_dq_n`` are the same for ``_window_dq_kernel``.
     ``_sliding_dkv_kernel`` takes ``window_block_n`` keys and ``window_block_m`` query
@@ -732,8 +757,7 @@ class LaunchConfig:
     fwd_stages: int = 2
     dq_warps: int = 2
     dq_stages: int = 2
-    dkv_chunk: int = 128
-    dkv_phase: int | None = 1024
+    dkv_chunk: int = 256
     dkv_rows: int = 32
     dkv_warps: int = 4
     dkv_stages: int = 2
@@ -754,13 +778,12 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     """The configuration measured fastest on an H100 for the benchmarks' configurations
     (docs/benchmarks.md), ``shared_heads`` being the query heads of one selection. Up to
     d = 64 two warps stream a forward program's key tiles best, and the dK / dV pass
-    prefers one phase and short steps: 16 rows, except that groups of more than 8 heads
-    (one entry per 16 rows) take two entries per step (at 16 heads on 2 kv heads and
-    n = 65536, 5.47 -> 4.97 ms). At d = 128 a third stage pays off only when the launch
-    also runs window tiles."""
+    prefers short steps: 16 rows, except that groups of more than 8 heads (one entry per
+    16 rows) take two entries per step (at 16 heads on 2 kv heads and n = 65536,
+    5.47 -> 4.97 ms). At d = 128 a third stage pays off only when the launch also runs
+    window tiles."""
     if head_dim <= 64:
-        return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=32 if shared_heads > 8 else 16,
-                            dkv_phase=None)
+        return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=32 if shared_heads > 8 else 16)
     return LaunchConfig(fwd_stages=3 if sliding else 2)
 
 
@@ -908,13 +931,14 @@ class _KeyBlockEntries:
     those without a valid key last; key k owns ``entries[first_entry[k]:first_entry[k + 1]]``,
     cut into chunks of ``chunk`` entries numbered from ``first_chunk[k]``;
     ``chunk_key[p]`` is the key of chunk p, or ``num_keys`` for the spare programs past
-    the last chunk.
+    the last chunk; program p of ``_dkv_kernel`` takes chunk ``chunk_order[p]``.
     """
 
     entries: torch.Tensor
     first_entry: torch.Tensor
     first_chunk: torch.Tensor
     chunk_key: torch.Tensor
+    chunk_order: torch.Tensor
     num_keys: int
 
 
@@ -923,25 +947,20 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
 
     Inverts the selection on the device, without a host synchronisation: the grid of
     _dkv_kernel is an upper bound on the number of chunks, known from the shapes. One
-    kernel labels the entries and a dozen ops finish the table: below ~16k tokens the
-    backward is bound by the host's launches, not by the GPU.
-
-    Keys are phase-major so that the programs running at the same time gather the q and
-    dO rows of one phase of queries, a working set that fits in L2 where whole q and dO
-    tensors may not. On the benchmark's configurations the gain measured within noise
-    of a single phase (which d <= 64 uses).
+    kernel labels the entries, a dozen ops finish the table and one more kernel and a
+    sort give the chunks' launch order: below ~16k tokens the backward is bound by the
+    host's launches, not by the GPU.
     """
     b, hs, n, device = problem.batch, problem.selection_heads, problem.seq_len, indices.device
     constexprs = problem.constexprs
-    phase_length = max(problem.config.dkv_phase or n, triton.cdiv(n, MAX_DKV_PHASES))
-    num_keys = triton.cdiv(n, phase_length) * b * problem.kv_heads * problem.num_blocks
+    num_keys = b * problem.kv_heads * problem.num_blocks
     # int32 keys halve the radix sort's passes.
     key_dtype = torch.int32 if num_keys < 2**31 - 1 else torch.int64
     keys = torch.empty((b, hs, n, constexprs["NUM_SETS"]), dtype=key_dtype, device=device)
     entries = torch.empty(keys.shape, dtype=torch.int64, device=device)
     _entry_keys_kernel[(triton.cdiv(n, ENTRY_KEYS_QUERIES), hs, b)](
         indices, fmask, keys, entries,
-        b, n, problem.kv_heads, hs, problem.num_blocks, num_keys, phase_length,
+        n, problem.kv_heads, hs, problem.num_blocks, num_keys,
         **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "SETS_PAD", "BLOCK_SIZE")},
         CAUSAL=problem.causal,
         BLOCK_Q=ENTRY_KEYS_QUERIES,
@@ -953,7 +972,15 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     chunk_end = chunks.cumsum(0)
     max_chunks = triton.cdiv(keys.numel(), chunk) + num_keys
     chunk_key = torch.searchsorted(chunk_end, torch.arange(max_chunks, device=device), right=True, out_int32=True)
-    return _KeyBlockEntries(entries.flatten()[order], first_entry, chunk_end - chunks, chunk_key, num_keys)
+    first_chunk = chunk_end - chunks
+    entries = entries.flatten()[order]
+    position = torch.empty(max_chunks, dtype=torch.int64, device=device)
+    _chunk_position_kernel[(triton.cdiv(max_chunks, CHUNK_POSITIONS),)](
+        entries, first_entry, first_chunk, chunk_key, position, max_chunks, num_keys, n, problem.num_blocks,
+        CHUNK=chunk,
+        BLOCK=CHUNK_POSITIONS,
+    )
+    return _KeyBlockEntries(entries, first_entry, first_chunk, chunk_key, position.argsort(), num_keys)
 
 
 def _backward(problem: _Problem, saved, d_out, d_swa_out):
@@ -1001,9 +1028,9 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         rows_per_entry = triton.next_power_of_2(hq // hs)
         _dkv_kernel[(table.chunk_key.numel(), problem.block_size // problem.fine_n)](
             q, k, v, d_out, lse, delta, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
-            table.chunk_key, dk_acc, dv_acc,
+            table.chunk_key, table.chunk_order, dk_acc, dv_acc,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
-            b, n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
+            n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
             **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
                                                     "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
             ROWS_PER_ENTRY=rows_per_entry,
