@@ -179,6 +179,9 @@ CASES = {
     "ragged_geometry_group3": (1, 3, 1, 45, 16, 7, 5, 1, 12, 3, True, True),
     "wide_selection_blocks": (1, 2, 1, 70, 16, 4, 2, 0, 32, 2, True, True),
     "group16_more_slots_than_blocks": (1, 16, 1, 33, 16, 8, 8, 0, 8, 8, True, True),
+    # The running top-n is narrower, then wider than a chunk's 16 lanes.
+    "one_slot_per_head": (1, 2, 1, 40, 16, 4, 4, 1, 4, 1, True, False),
+    "more_slots_than_lanes": (1, 2, 1, 100, 16, 4, 2, 0, 4, 20, True, True),
 }
 
 
@@ -265,9 +268,10 @@ def test_invalid_arguments_name_the_argument(change, name):
         # The issue's layer configuration (32 query heads on 2 kv heads, shared selection).
         (1, 32, 2, 8192, 64, 32, 16, 1, 64, 16, True, True, torch.bfloat16),
         (1, 8, 1, 8200, 128, 32, 16, 0, 64, 16, True, False, torch.float16),
+        (1, 4, 2, 8192, 64, 32, 16, 1, 64, 16, True, False, torch.bfloat16),
         (2, 6, 2, 8192, 48, 16, 8, 2, 32, 8, False, True, torch.bfloat16),
     ],
-    ids=["issue_config_bf16", "d128_per_head_fp16", "non_causal_group3_d48_bf16"],
+    ids=["issue_config_bf16", "d128_per_head_fp16", "d64_per_head_bf16", "non_causal_group3_d48_bf16"],
 )
 @pytest.mark.parametrize("score_grad", [False, True], ids=["plain", "score_grad"])
 def test_gpu_long_sequences(case, score_grad):
