@@ -87,13 +87,15 @@ def test_fast_path_matches_pytorch_path(fast_path, share, use_diff_topk):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("fast_path", ["use_triton_kernel", "use_flex_attention"])
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_compiled_triton_path_matches_eager(mode):
-    """torch.compile with fullgraph=True, which fails on any graph break: the kernels are
-    custom operators inside the graph. With mode="reduce-overhead" the third step replays
-    the forward and backward from CUDA graphs (the first two warm up and record)."""
+def test_compiled_fast_path_matches_eager(fast_path, mode):
+    """torch.compile with fullgraph=True, which fails on any graph break: the Triton
+    kernels are custom operators inside the graph, FlexAttention is traced. With
+    mode="reduce-overhead" the third step replays the forward and backward from CUDA
+    graphs (the first two warm up and record)."""
     torch.manual_seed(0)
-    layer = SparseAttention(**CONFIG, use_triton_kernel=True).cuda()
+    layer = SparseAttention(**CONFIG, **{fast_path: True}).cuda()
     compiled = copy.deepcopy(layer)
     compiled.compile(fullgraph=True, mode=mode)
     x = torch.randn(2, 2048, CONFIG["dim"], device="cuda")
