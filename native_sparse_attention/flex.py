@@ -52,8 +52,11 @@ def _compiled_flex_attention():
 
 def _attend(q, k, v, **kwargs) -> torch.Tensor:
     # Uncompiled flex_attention materialises the full score matrix: fine for CPU tests,
-    # far too slow and memory-hungry for training on a GPU.
-    fn = _compiled_flex_attention() if q.is_cuda else flex_attention
+    # far too slow and memory-hungry for training on a GPU. Inside a graph being compiled
+    # Dynamo lowers flex_attention itself, and the cached wrapper would only be traced
+    # through.
+    compiled = q.is_cuda and not torch.compiler.is_compiling()
+    fn = _compiled_flex_attention() if compiled else flex_attention
     return fn(q, k, v, enable_gqa=True, **kwargs)
 
 
