@@ -483,7 +483,7 @@ def _attention_bwd_dq_kernel(
 def _zero_pad_cols(x, WIDTH: tl.constexpr):
     """``x: [BM, C]`` widened to ``[BM, WIDTH]`` (powers of two) with zero columns, in no
     particular column order."""
-    for _ in tl.static_range(16):
+    for _ in tl.static_range(16):  # doublings; unrolled, so each may change the shape
         if x.shape[1] < WIDTH:
             x = tl.reshape(tl.join(x, tl.zeros_like(x)), [x.shape[0], 2 * x.shape[1]])
     return x

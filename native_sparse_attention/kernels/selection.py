@@ -745,8 +745,9 @@ class LaunchConfig:
     ``fine_n`` is an upper bound: the kernels use the largest multiple of 16 that divides
     ``block_size`` by halving it, so every block size that is a multiple of 16 works.
     ``dkv_chunk`` entries (query, key set) of one key block go to one program of
-    ``_dkv_kernel``, ``dkv_rows`` query rows per step. The forward's window tiles have ``window_rows`` rows (raised to the padded
-    group when smaller) and walk keys ``window_n`` at a time with the launch's warps;
+    ``_dkv_kernel``, ``dkv_rows`` query rows per step. The forward's window tiles have
+    ``window_rows`` rows (raised to the padded group when smaller) and walk keys
+    ``window_n`` at a time with the launch's warps;
     ``window_dq_rows`` and ``window_dq_n`` are the same for ``_window_dq_kernel``.
     ``_sliding_dkv_kernel`` takes ``window_block_n`` keys and ``window_block_m`` query
     rows per step.
