@@ -23,6 +23,9 @@ MAX_GROUP_SIZE = 16  # query heads per kv head: one program's rows
 MAX_BLOCK_SIZE = 128
 BLOCK_SIZE_MULTIPLE = 16  # the fine blocks the kernels walk
 MAX_HEAD_DIM = 128
+# The dK / dV pass packs (selection head, key set) into 32 bits, 16 bits each.
+MAX_SELECTION_HEADS = 2**15 - 1
+MAX_SLOTS = 2**16 - 2
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -153,6 +156,11 @@ def _validate(
         raise ValueError(
             f"selected_block_indices must be [b, hs, n, sel] with b = {b}, n = {n} and hs = {hk} "
             f"(kv heads) or {hq} (query heads), got {tuple(indices.shape)}"
+        )
+    if hs > MAX_SELECTION_HEADS or indices.shape[3] > MAX_SLOTS:
+        raise ValueError(
+            f"selected_block_indices may have at most {MAX_SELECTION_HEADS} heads and {MAX_SLOTS} slots, "
+            f"got {tuple(indices.shape)}"
         )
     if indices.dtype not in _INDEX_DTYPES:
         raise ValueError(f"selected_block_indices must be int32 or int64, got {indices.dtype}")

@@ -315,6 +315,9 @@ INVALID = {
     "block_size_float": (dict(block_size=16.0), TypeError, "block_size"),
     "indices_heads": (dict(selected_block_indices=torch.zeros(1, 3, 32, 2, dtype=torch.long)), ValueError,
                       "selected_block_indices"),
+    "indices_too_many_slots": (dict(selected_block_indices=torch.zeros(1, 2, 32, 2**16 - 1, dtype=torch.long),
+                                    fmask=torch.ones(1, 2, 32, 2**16 - 1, dtype=torch.bool), sel_scale=None),
+                               ValueError, "selected_block_indices"),
     "indices_float": (dict(selected_block_indices=torch.zeros(1, 2, 32, 2)), ValueError, "selected_block_indices"),
     "fmask_not_bool": (dict(fmask=torch.ones(1, 2, 32, 2)), ValueError, "fmask"),
     "fmask_shape": (dict(fmask=torch.ones(1, 2, 32, 3, dtype=torch.bool)), ValueError, "fmask"),
@@ -357,6 +360,8 @@ GPU_CASES = {
                                        dtype=torch.bfloat16),
     "group1_d96_fp16_int32": Case(hq=4, hk=4, n=4099, d=96, block_size=16, num_slots=12, sel_scale=False,
                                   index_dtype=torch.int32, dtype=torch.float16, heads_last=True),
+    # float32 at the largest head dim: the most shared memory per pipeline stage.
+    "group8_d128_sliding_fp32": Case(hq=8, hk=1, n=2048, d=128, block_size=64, num_slots=8, window=128),
     # The layer benchmark's heads: two entries of 16 rows per dK / dV step.
     "group16_d64_sliding_fp16": Case(hq=32, hk=2, n=4096, d=64, block_size=64, num_slots=16, window=512,
                                      dtype=torch.float16),

@@ -522,10 +522,13 @@ def _dkv_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv, 
     per query row (the last two may be scalars). Works on the transposed scores
     [BLOCK_N, M], so that dK and dV come out of the dots as [BLOCK_N, D_PAD].
     """
+    # Both score dots are issued before the exponentials, so that the tensor cores run
+    # dP while the exponentials of P are computed: the pass is bound by issue latency,
+    # not by the tensor cores (config A at 32k on an H100: 7.52 -> 7.16 ms).
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     p_t = tl.where(visible, tl.exp2(qk_t * logit_scale - lse2[None, :]), 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :]) * ds_scale
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
@@ -537,8 +540,9 @@ def _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL: tl.constexpr, NUM_SETS: t
     """Query rows of the entries ``[e0, e0 + M // ROWS_PER_ENTRY)`` (clipped at ``end``).
 
     An entry is one (query i, selection head, key set) of batch z, packed as
-    ``i << 32 | sel_head * NUM_SETS + key_set`` so that decoding needs no division by a
-    run-time value (a 64-bit one costs ~100 instructions, and every step decodes M rows).
+    ``i << 32 | sel_head << 16 | key_set`` so that decoding is shifts and masks: a
+    division by a run-time value costs ~100 instructions, and even the one by the
+    constexpr NUM_SETS was a multiply-high and fix-ups per row of every step.
     It owns SEL_SHARED_HEADS query rows, laid out at ROWS_PER_ENTRY (a power of two) rows
     per entry. Returns per row: query position, query head, offset of the entry's slot in
     the [Z, HS, N, SEL] selection tensors (-1 for the own block) and whether the row exists.
@@ -549,8 +553,8 @@ def _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL: tl.constexpr, NUM_SETS: t
     packed = tl.load(ENTRIES + entry, mask=entry < end, other=0)
     i = (packed >> 32).to(tl.int32)
     head_and_set = packed.to(tl.int32)  # the low 32 bits
-    sel_head = head_and_set // NUM_SETS
-    slot = head_and_set % NUM_SETS - (NUM_SETS - SEL)
+    sel_head = head_and_set >> 16
+    slot = (head_and_set & 0xFFFF) - (NUM_SETS - SEL)
     query = (z.to(tl.int64) * HS + sel_head) * N + i
     slot_offset = tl.where(slot >= 0, query * SEL + slot, -1)
     return i, sel_head * SEL_SHARED_HEADS + in_entry, slot_offset, ok
@@ -585,7 +589,7 @@ def _entry_keys_kernel(
     key = tl.where(valid, (z.to(tl.int64) * HKV + kv_head) * NUM_BLOCKS + block, NUM_KEYS)
     entry = query[:, None] * NUM_SETS + sets[None, :]
     tl.store(KEYS + entry, key.to(KEYS.dtype.element_ty), mask=exists)
-    packed = (i.to(tl.int64)[:, None] << 32) | (sel_head * NUM_SETS + sets)[None, :]
+    packed = (i.to(tl.int64)[:, None] << 32) | ((sel_head << 16) | sets)[None, :]
     tl.store(ENTRIES + entry, packed, mask=exists)
 
 
@@ -623,10 +627,15 @@ def _dkv_kernel(
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr, CHUNK: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DENSE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the selection for one fine tile of one key block, from one chunk of the
-    entries that attend the block, added to the float32 accumulators."""
+    entries that attend the block, added to the float32 accumulators.
+
+    DENSE_ROWS: q and dO are contiguous [Z, HQ, N, D], so that a gathered row's offset is
+    its LSE offset times D. The three 64-bit stride products it saves per row and step
+    are a sizeable part of a pass bound by instruction issue (config A at 32k on an
+    H100: 7.10 -> 6.71 ms)."""
     chunk = tl.load(CHUNK_ORDER + tl.program_id(0))
     key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
     if key < NUM_KEYS:  # else a spare program past the last chunk
@@ -650,11 +659,15 @@ def _dkv_kernel(
         for e0 in range(start, end, M // ROWS_PER_ENTRY):
             i, head, slot_offset, row_ok = _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL, NUM_SETS,
                                                        SEL_SHARED_HEADS, ROWS_PER_ENTRY)
-            q = _load_tile(Q, _strided_rows(z, head, i, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok,
-                           stride_qd)
-            do = _load_tile(DO, _strided_rows(z, head, i, stride_doz, stride_doh, stride_don), row_ok, offs_d, d_ok,
-                            stride_dod)
             lse_rows = (z.to(tl.int64) * HQ + head) * N + i
+            if DENSE_ROWS:
+                q_rows = lse_rows * D
+                do_rows = q_rows
+            else:
+                q_rows = _strided_rows(z, head, i, stride_qz, stride_qh, stride_qn)
+                do_rows = _strided_rows(z, head, i, stride_doz, stride_doh, stride_don)
+            q = _load_tile(Q, q_rows, row_ok, offs_d, d_ok, stride_qd)
+            do = _load_tile(DO, do_rows, row_ok, offs_d, d_ok, stride_dod)
             lse2 = _load_lse2(LSE, lse_rows, row_ok)
             delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
             if HAS_SEL_SCALE:
@@ -781,11 +794,11 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     d = 64 two warps stream a forward program's key tiles best, and the dK / dV pass
     prefers short steps: 16 rows, except that groups of more than 8 heads (one entry per
     16 rows) take two entries per step (at 16 heads on 2 kv heads and n = 65536,
-    5.47 -> 4.97 ms). At d = 128 a third stage pays off only when the launch also runs
-    window tiles."""
+    5.47 -> 4.97 ms). At d = 128 the dK / dV pass takes a third stage (config A at 32k:
+    6.70 -> 6.52 ms), the forward one only when the launch also runs window tiles."""
     if head_dim <= 64:
         return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=32 if shared_heads > 8 else 16)
-    return LaunchConfig(fwd_stages=3 if sliding else 2)
+    return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3)
 
 
 def _fine_block(block_size: int, preferred: int) -> int:
@@ -1035,6 +1048,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
                                                     "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
             ROWS_PER_ENTRY=rows_per_entry,
+            DENSE_ROWS=q.is_contiguous() and d_out.is_contiguous(),
             M=max(config.dkv_rows, rows_per_entry),
             CHUNK=config.dkv_chunk,
             DOT_PRECISION=_dot_precision(q.dtype),
