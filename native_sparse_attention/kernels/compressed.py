@@ -19,7 +19,8 @@ BLOCK_S: lanes of a chunk of selection blocks, S_STEP of them used.
 SEL, DSCORE: the chosen blocks ``[Z, HS, M, TOPN]`` and the gradient of their scores;
 G = dL/dP that DSCORE adds (nonzero on the compressed keys overlapping chosen blocks);
 KEYS_PER_BLOCK: compressed keys overlapping one selection block, at most; BLOCK_J:
-selection blocks that can overlap one key tile, padded.
+selection blocks that can overlap one key tile, padded. QUERY_SPLITS: programs that
+share the query rows of one dK / dV key tile (grid axis 2).
 
 Kernels
 -------
@@ -29,6 +30,8 @@ Kernels
 keys for the scores' share of dQ and adds rowsum(P * G) to DELTA.
 ``_attention_bwd_dkdv_kernel``: per query head partial dK, dV (summed over the group on
 the host, which keeps the result deterministic); with SCORE_GRAD, dP gains G per tile.
+Short sequences have too few (head, key tile) pairs to fill the GPU, so the rows that
+see a key tile are also split among QUERY_SPLITS programs, each with its own partial.
 ``_select_blocks_kernel``: recomputes the probabilities ``exp(s - LSE)`` tile by tile, adds
 them into the selection blocks they overlap, and keeps a running top-n per query, so the
 ``[M, NC]`` probabilities and the ``[M, NSEL]`` importances never reach memory.
@@ -333,10 +336,12 @@ def _attention_bwd_dkdv_kernel(
     SCORE_GRAD: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr, TOPN: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
-    # DK, DV: [Z, HQ, N, D] fp32 partials of this query head, contiguous.
+    # DK, DV: [QUERY_SPLITS, Z, HQ, N, D] fp32 partials of this query head and share of
+    # the rows (program_id(2)), contiguous.
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
     key_start = tl.program_id(1) * BLOCK_N
+    split = tl.program_id(2)
     NC = N - NUM_MEM
     q_ptr = _head_pointers(Q, z, h, stride_qz, stride_qh)
     do_ptr = _head_pointers(DOUT, z, h, stride_dz, stride_dh)
@@ -354,20 +359,25 @@ def _attention_bwd_dkdv_kernel(
     rows_begin = _first_row_seeing(key_start, NUM_MEM, CBS, STRIDE, IS_CAUSAL) // BLOCK_M * BLOCK_M
     rows_full = tl.cdiv(_first_row_seeing(last_key, NUM_MEM, CBS, STRIDE, IS_CAUSAL), BLOCK_M) * BLOCK_M
     rows_full = tl.minimum(tl.maximum(rows_full, rows_begin), M)
+    # This program's share of [rows_begin, M): whole query tiles, the last share shorter.
+    split_rows = tl.cdiv(tl.cdiv(M - rows_begin, BLOCK_M), tl.num_programs(2)) * BLOCK_M
+    rows_lo = rows_begin + split * split_rows
+    rows_hi = tl.minimum(rows_lo + split_rows, M)
+    rows_masked_end = tl.minimum(tl.maximum(rows_full, rows_lo), rows_hi)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for m_start in range(rows_begin, rows_full, BLOCK_M):
+    for m_start in range(rows_lo, rows_masked_end, BLOCK_M):
         dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr,
                             m_start, stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS,
                             STRIDE, SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
                             IS_CAUSAL, True, SCORE_GRAD, TOPN, BLOCK_J)
-    for m_start in range(rows_full, M, BLOCK_M):
+    for m_start in range(tl.maximum(rows_full, rows_lo), rows_hi, BLOCK_M):
         dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr,
                             m_start, stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS,
                             STRIDE, SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
                             IS_CAUSAL, False, SCORE_GRAD, TOPN, BLOCK_J)
 
-    part = zh.to(tl.int64) * N * HEAD_DIM
+    part = (split.to(tl.int64) * tl.num_programs(0) + zh) * N * HEAD_DIM
     _store_rows(DK + part, key_start, HEAD_DIM, N, dk * sm_scale, BLOCK_N, BLOCK_D, HEAD_DIM)
     _store_rows(DV + part, key_start, HEAD_DIM, N, dv, BLOCK_N, BLOCK_D, HEAD_DIM)
 
@@ -649,7 +659,10 @@ class _Launch:
 _CUDA_LAUNCH = {
     "forward": _Launch(128, 64, 8, 3),
     "backward_dq": _Launch(64, 64, 4, 3),
-    "backward_dkdv": _Launch(64, 128, 4, 3),
+    # 32-row steps: with 64 the kernel needs more than the 255 registers a thread has and
+    # spills (26 ms instead of 4.9 at n = 65536 once the query splits added a few live
+    # values; 5.8 before them, already spilling).
+    "backward_dkdv": _Launch(32, 128, 4, 3),
     # dK / dV with the selection scores' gradient: its [BLOCK_J, BLOCK_M] and
     # [BLOCK_N, BLOCK_J] float32 dot operands overflow shared memory at 128-key tiles in
     # three stages, and in two those tiles ran 2x slower than these.
@@ -673,6 +686,8 @@ _CUDA_LAUNCH_WIDE_ROWS = {
 # Most selection blocks scored per chunk: more lanes mean fewer top-n merges per row, but
 # each merge then works on a wider [BLOCK_M, BLOCK_S] candidate tile.
 _MAX_SELECTION_LANES = 32
+# dK / dV programs per SM that the query splits aim for.
+_DKDV_PROGRAMS_PER_SM = 4
 
 
 def _launch(kernel: str, q: torch.Tensor) -> _Launch:
@@ -682,6 +697,19 @@ def _launch(kernel: str, q: torch.Tensor) -> _Launch:
         return _Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
     wide_rows = _block_d(q.shape[-1]) * q.element_size() > 128
     return (_CUDA_LAUNCH_WIDE_ROWS if wide_rows else _CUDA_LAUNCH)[kernel]
+
+
+def _dkdv_query_splits(programs: int, row_tiles: int, device: torch.device) -> int:
+    """QUERY_SPLITS of a dK / dV launch of ``programs`` (head, key tile) pairs over
+    ``row_tiles`` query tiles: enough for ``_DKDV_PROGRAMS_PER_SM`` programs per SM, at
+    most one per query tile. Without it a short sequence leaves most SMs idle (n = 8192 at
+    the layer benchmark's 32 heads: 160 programs of up to 128 query tiles each)."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        # Interpreter: a pretend GPU of two SMs, so that short test sequences split too.
+        sms = 2
+    return max(1, min(row_tiles, triton.cdiv(_DKDV_PROGRAMS_PER_SM * sms, max(programs, 1))))
 
 
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -787,17 +815,20 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
         q, ck, cv, dout, lse, delta, *selection, dq, *args, *_bhm_strides(dq), *geometry,
         KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
     )
-    # Per query head partials, summed over each group below: no atomics, deterministic.
-    dk_part = _allocate((b, hq, num_keys, d), torch.float32, q.device)
-    dv_part = _allocate((b, hq, num_keys, d), torch.float32, q.device)
+    # Partials per query head and share of the rows, summed below over each group and
+    # the shares: no atomics, deterministic.
+    key_tiles = triton.cdiv(num_keys, dkdv_tiles.block_n)
+    splits = _dkdv_query_splits(b * hq * key_tiles, triton.cdiv(n, dkdv_tiles.block_m), q.device)
+    dk_part = _allocate((splits, b, hq, num_keys, d), torch.float32, q.device)
+    dv_part = _allocate((splits, b, hq, num_keys, d), torch.float32, q.device)
     if num_keys > 0:
-        _attention_bwd_dkdv_kernel[(b * hq, triton.cdiv(num_keys, dkdv_tiles.block_n))](
+        _attention_bwd_dkdv_kernel[(b * hq, key_tiles, splits)](
             q, ck, cv, dout, lse, delta, *selection, dk_part, dv_part, *args, *geometry,
             BLOCK_J=_blocks_per_key_tile(dkdv_tiles.block_n, geo), **meta,
             **_launch_meta(dkdv_tiles),
         )
-    dck = dk_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(ck.dtype)
-    dcv = dv_part.view(b, hk, hq // hk, num_keys, d).sum(2).to(cv.dtype)
+    dck = dk_part.view(splits, b, hk, hq // hk, num_keys, d).sum((0, 3)).to(ck.dtype)
+    dcv = dv_part.view(splits, b, hk, hq // hk, num_keys, d).sum((0, 3)).to(cv.dtype)
     return dq, dck, dcv
 
 
