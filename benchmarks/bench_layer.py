@@ -168,12 +168,17 @@ def profile(n: int, path: Path | None) -> str:
     rows = [[group, f"{us / 1e3:.2f}", f"{100 * us / total_us:.0f}%"]
             for group, us in sorted(groups.items(), key=lambda item: -item[1])]
     top = sorted(events, key=lambda e: -e.device_time_total)[:8]
-    top_rows = [[f"`{e.key[:60]}`", _kernel_group(e.key).split(" (")[0], f"{e.device_time_total / 1e3:.2f}"]
-                for e in top]
+    top_rows = []
+    for e in top:
+        resources = _triton_resources(e.key)
+        top_rows.append([f"`{e.key[:60]}`", _kernel_group(e.key).split(" (")[0], f"{e.device_time_total / 1e3:.2f}",
+                         *(("-", "-") if resources is None else resources)])
     summary = (f"Where the NSA layer's time goes: CUDA kernel time of one fwd+bwd at n = {n}, "
                f"{total_us / 1e3:.1f} ms in all (torch.profiler).\n\n"
-               + markdown_table(["kernels", "ms", "share"], rows) + "\n\nLargest kernels:\n\n"
-               + markdown_table(["kernel", "group", "ms"], top_rows))
+               + markdown_table(["kernels", "ms", "share"], rows) + "\n\nLargest kernels (registers per "
+               "thread and bytes spilled to local memory: the most over the Triton kernel's compiled "
+               "variants):\n\n"
+               + markdown_table(["kernel", "group", "ms", "registers", "spilled bytes"], top_rows))
     if path is not None:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
         path.write_text(summary + "\n\n" + table + "\n")
@@ -185,6 +190,21 @@ def _kernel_names(module) -> set[str]:
     from triton.runtime import JITFunction
 
     return {name for name, value in vars(module).items() if isinstance(value, JITFunction)}
+
+
+def _triton_resources(name: str) -> tuple[int, int] | None:
+    """Most registers per thread and most spilled bytes over the compiled variants of this
+    package's Triton kernel ``name``; None for any other kernel. A kernel that spills runs
+    several times slower (the compressed dK / dV kernel once went from 5.8 to 26 ms)."""
+    from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection
+
+    for module in (compressed, selection, gate_combine, rotary):
+        if name in _kernel_names(module):
+            compiled = [kernel for caches in getattr(module, name).device_caches.values()
+                        for kernel in caches[0].values()]
+            if compiled:
+                return max(k.n_regs for k in compiled), max(k.n_spills for k in compiled)
+    return None
 
 
 def _kernel_group(name: str) -> str:
