@@ -200,10 +200,14 @@ def _triton_resources(name: str) -> tuple[int, int] | None:
 
     for module in (compressed, selection, gate_combine, rotary):
         if name in _kernel_names(module):
-            compiled = [kernel for caches in getattr(module, name).device_caches.values()
-                        for kernel in caches[0].values()]
-            if compiled:
-                return max(k.n_regs for k in compiled), max(k.n_spills for k in compiled)
+            # Triton internals (3.6 to 3.9): without them the columns read "-", the run stands.
+            try:
+                compiled = [kernel for caches in getattr(module, name).device_caches.values()
+                            for kernel in caches[0].values()]
+                if compiled:
+                    return max(k.n_regs for k in compiled), max(k.n_spills for k in compiled)
+            except (AttributeError, IndexError, TypeError):
+                return None
     return None
 
 
