@@ -214,6 +214,20 @@ def test_selection_chunks_of_32_blocks(monkeypatch):
     check_against_reference(1, 4, 2, 140, 16, 4, 4, 1, 4, 5, True, True)
 
 
+@pytest.mark.parametrize("programs, row_tiles, splits", [
+    (160, 128, 4),   # the layer benchmark's 8k: 160 (head, key tile) programs, 528 wanted
+    (96, 2, 2),      # no more shares than query tiles
+    (1024, 1024, 1),  # a long sequence fills the GPU unsplit
+    (0, 1, 1),       # no compressed key: nothing to launch, one (empty) share
+])
+def test_dkdv_query_splits_fill_the_gpu(monkeypatch, programs, row_tiles, splits):
+    class Properties:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    assert compressed._dkdv_query_splits(programs, row_tiles, torch.device("cuda")) == splits
+
+
 def test_float16_and_strided_inputs():
     check_against_reference(1, 4, 2, 48, 32, 8, 4, 1, 16, 3, True, True, dtype=torch.float16,
                             heads_last=True)
