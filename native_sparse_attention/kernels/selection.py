@@ -755,8 +755,9 @@ def _sliding_dkv_kernel(
 class LaunchConfig:
     """Tile sizes and launch parameters of the kernels.
 
-    ``fine_n`` is an upper bound: the kernels use the largest multiple of 16 that divides
-    ``block_size`` by halving it, so every block size that is a multiple of 16 works.
+    ``fine_n`` (forward and dK / dV) and ``dq_fine_n`` (dQ) are upper bounds: the kernels
+    use the largest multiple of 16 that divides ``block_size`` by halving it, so every
+    block size that is a multiple of 16 works.
     ``dkv_chunk`` entries (query, key set) of one key block go to one program of
     ``_dkv_kernel``, ``dkv_rows`` query rows per step. The forward's window tiles have
     ``window_rows`` rows (raised to the padded group when smaller) and walk keys
@@ -767,6 +768,7 @@ class LaunchConfig:
     """
 
     fine_n: int = 64
+    dq_fine_n: int = 64
     fwd_warps: int = 4
     fwd_stages: int = 2
     dq_warps: int = 2
@@ -790,14 +792,30 @@ class LaunchConfig:
 def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sliding: bool = False,
                           shared_heads: int = 1) -> LaunchConfig:
     """The configuration measured fastest on an H100 for the benchmarks' configurations
-    (docs/benchmarks.md), ``shared_heads`` being the query heads of one selection. Up to
-    d = 64 two warps stream a forward program's key tiles best, and the dK / dV pass
-    prefers short steps: 16 rows, except that groups of more than 8 heads (one entry per
-    16 rows) take two entries per step (at 16 heads on 2 kv heads and n = 65536,
-    5.47 -> 4.97 ms). At d = 128 the dK / dV pass takes a third stage (config A at 32k:
-    6.70 -> 6.52 ms), the forward one only when the launch also runs window tiles."""
+    (docs/benchmarks.md), ``shared_heads`` being the query heads of one selection.
+
+    Up to d = 64, with 2-byte inputs, one warp per program streams the selection's key
+    tiles best in the forward and the dQ pass: a 16-row tile then needs no cross-warp
+    reductions or barriers, and more programs fit on an SM. At 32 heads on 2 kv heads,
+    n = 65536, window 512, bf16: forward 6.74 -> 5.98 ms (with 32-row window tiles of
+    32-key steps, what one warp holds), dQ 4.88 -> 4.52 ms (16-key steps, three stages),
+    the window's dK / dV 2.17 -> 2.09 ms (three stages). float32 tiles are twice as wide:
+    they keep two warps (at n = 4096 the forward takes 1.5x as long on one), and the
+    window's dK / dV takes 32-key, 32-row steps (84 -> 3.2 ms at n = 4096: the 64 x 64
+    steps spill). The selection's dK / dV pass prefers short steps: 16 rows, except that
+    groups of more than 8 heads (one entry per 16 rows) take two entries per step
+    (5.47 -> 4.97 ms at 32 heads, n = 65536). At d = 128 the dK / dV pass takes a third
+    stage (config A at 32k: 6.70 -> 6.52 ms), the forward one only when the launch also
+    runs window tiles."""
     if head_dim <= 64:
-        return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=32 if shared_heads > 8 else 16)
+        dkv_rows = 32 if shared_heads > 8 else 16
+        if dtype.itemsize == 2:
+            return LaunchConfig(
+                fwd_warps=1, window_rows=32, window_n=32, dq_warps=1, dq_fine_n=16, dq_stages=3,
+                dkv_rows=dkv_rows, window_stages=3,
+            )
+        return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=dkv_rows, window_block_n=32,
+                            window_block_m=32)
     return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3)
 
 
@@ -859,6 +877,10 @@ class _Problem:
     @property
     def fine_n(self) -> int:
         return _fine_block(self.block_size, self.config.fine_n)
+
+    @property
+    def dq_fine_n(self) -> int:
+        return _fine_block(self.block_size, self.config.dq_fine_n)
 
     @property
     def heads_pad(self) -> int:
@@ -1028,7 +1050,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         dsel if dsel is not None and dsel.numel() else lse, delta, dq_window,
         *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
         n, hq, hs, problem.scale,
-        **problem.constexprs,
+        **{**problem.constexprs, "FINE_N": problem.dq_fine_n},
         SLIDING=sliding,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.dq_warps,
