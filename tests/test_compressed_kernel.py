@@ -233,6 +233,22 @@ def test_float16_and_strided_inputs():
                             heads_last=True)
 
 
+def test_query_gradient_keeps_the_query_order_of_heads_and_tokens():
+    """The layer's q is a head-splitting view of its projection: dQ comes back laid out as
+    [b, n, h, d] for such a q (contiguous for a contiguous one), with the same values."""
+    b, h, n, d = 1, 4, 40, 16
+    view, ck, cv = make_inputs(b, h, 2, n, d, 8, 4, 1, torch.float32, seed=4, heads_last=True)
+    dout = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    grads = []
+    for q in (view, view.contiguous()):
+        q = q.detach().requires_grad_()
+        out, _, _ = compressed_attend_and_select(q, ck, cv, 8, 4, 1, 16, 2)
+        grads.append(torch.autograd.grad(out, q, dout)[0])
+    assert grads[0].stride() == (n * h * d, d, h * d, 1)
+    assert grads[1].is_contiguous()
+    torch.testing.assert_close(grads[0], grads[1], atol=0, rtol=0)
+
+
 def test_selection_runs_without_grad_and_matches_cpu_fallback(monkeypatch):
     q, ck, cv = make_inputs(1, 4, 2, 40, 16, 8, 4, 1, torch.float32, seed=3)
     args = (q, ck, cv, 8, 4, 1, 16, 2)

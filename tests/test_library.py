@@ -50,9 +50,11 @@ def test_selection_operators(window, with_scale, per_query_head):
     torch.library.opcheck(OPS.selection_backward, backward_inputs, test_utils=CHECKS)
 
 
-@pytest.mark.parametrize("share_selection", [True, False])
-def test_compressed_operators(share_selection):
-    q, ck, cv = _randn(1, 2, 40, 16), _randn(1, 1, 9, 16), _randn(1, 1, 9, 16)
+@pytest.mark.parametrize("share_selection, tokens_major", [(True, True), (False, False)])
+def test_compressed_operators(share_selection, tokens_major):
+    # tokens_major: q as the layer's view of its projection, which dQ's layout follows.
+    q = _randn(1, 40, 2, 16).transpose(1, 2) if tokens_major else _randn(1, 2, 40, 16)
+    ck, cv = _randn(1, 1, 9, 16), _randn(1, 1, 9, 16)
     geometry = (8, 4, 1, True, 0.25, 16, 2, share_selection)
     torch.library.opcheck(OPS.compressed_attend_and_select, (q, ck, cv, *geometry), test_utils=CHECKS)
     out, lse, indices, mask, scores = OPS.compressed_attend_and_select(q, ck, cv, *geometry)
@@ -63,7 +65,9 @@ def test_compressed_operators(share_selection):
 
 def test_rotary_and_gate_operators():
     t = _randn(1, 2, 20, 16).transpose(1, 2).contiguous().transpose(1, 2)  # strided input
-    torch.library.opcheck(OPS.rotary, (t, torch.rand(8, device=DEVICE), 3, False), test_utils=CHECKS)
+    for inverse, tokens_major in ((False, False), (True, True)):
+        torch.library.opcheck(OPS.rotary, (t, torch.rand(8, device=DEVICE), 3, inverse, tokens_major),
+                              test_utils=CHECKS)
     gates, branches = torch.rand(3, 1, 2, 20, device=DEVICE), [_randn(1, 2, 20, 16) for _ in range(3)]
     torch.library.opcheck(OPS.gated_sum, (gates, *branches), test_utils=CHECKS)
     torch.library.opcheck(OPS.gated_sum_backward, (gates, *branches, _randn(1, 20, 32)), test_utils=CHECKS)

@@ -63,6 +63,22 @@ def check_against_float64(b, h, n, d, offset, dtype, seed=0):
     torch.testing.assert_close(t.grad.double(), t64.grad, atol=atol, rtol=rtol)
 
 
+def test_gradient_keeps_the_input_order_of_heads_and_tokens():
+    """The layer's q and k are head-splitting views of its projection: their gradients come
+    back laid out as [b, n, h, d], so that the projection's gradient reads them without a
+    transpose; a contiguous input gets a contiguous gradient, with the same values."""
+    b, h, n, d = 2, 3, 20, 16
+    inv_freq = RotaryEmbedding(d).inv_freq.to(DEVICE)
+    view = projected_heads(b, h, n, d, torch.float32, seed=5).detach().requires_grad_()
+    dout = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    (view_grad,) = torch.autograd.grad(apply_rotary(view, inv_freq, 7), view, dout)
+    dense = view.detach().contiguous().requires_grad_()
+    (dense_grad,) = torch.autograd.grad(apply_rotary(dense, inv_freq, 7), dense, dout)
+    assert view_grad.stride() == (n * h * d, d, h * d, 1)
+    assert dense_grad.is_contiguous()
+    torch.testing.assert_close(view_grad, dense_grad, atol=0, rtol=0)
+
+
 # Two tiles of tokens with an odd tail; 9 heads fill one program and part of another;
 # a decoding step (one token far into the sequence, where the angles need reducing).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

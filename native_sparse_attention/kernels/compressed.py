@@ -717,6 +717,17 @@ def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _allocate_query_grad(q: torch.Tensor, allocate=None) -> torch.Tensor:
+    """dQ for ``q: [b, h, n, d]`` in q's memory order of heads and tokens: the layer's q is
+    a view of its qkv projection, whose gradient then gathers each token's heads from
+    contiguous rows instead of transposing them."""
+    allocate = _allocate if allocate is None else allocate
+    b, h, n, d = q.shape
+    if q.stride(1) < q.stride(2):
+        return allocate((b, n, h, d), q.dtype, q.device).transpose(1, 2)
+    return allocate((b, h, n, d), q.dtype, q.device)
+
+
 def _block_d(head_dim: int) -> int:
     # tl.dot needs every dimension >= 16.
     return max(16, triton.next_power_of_2(head_dim))
@@ -769,7 +780,8 @@ def _blocks_per_key_tile(block_n: int, geo: _Geometry) -> int:
 
 def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
                         score_grad=None):
-    """Gradients of ``_attention_forward``: (dq [b, hq, n, d], dck, dcv [b, hk, N, d]).
+    """Gradients of ``_attention_forward``: (dq [b, hq, n, d] in q's memory order of heads
+    and tokens, dck, dcv [b, hk, N, d]).
 
     ``score_grad: [b, hs, n, num_selected]`` (float32, 0 on masked slots), the gradient
     of the selection scores of ``indices``, adds their path through the probabilities.
@@ -810,7 +822,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
                 **selection_meta)
 
     # dQ first: with score gradients it completes delta, which dK / dV read.
-    dq = _allocate((b, hq, n, d), q.dtype, q.device)
+    dq = _allocate_query_grad(q)
     _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
         q, ck, cv, dout, lse, delta, *selection, dq, *args, *_bhm_strides(dq), *geometry,
         KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
@@ -906,7 +918,8 @@ def _attend_and_select_forward(
 
 
 def _fake_attend_and_select_backward(dout, dscores, q, ck, cv, *_):
-    return q.new_empty(q.shape), ck.new_empty(ck.shape), cv.new_empty(cv.shape)
+    dq = _allocate_query_grad(q, lambda shape, dtype, device: q.new_empty(shape))
+    return dq, ck.new_empty(ck.shape), cv.new_empty(cv.shape)
 
 
 @launcher_op("compressed_attend_and_select_backward", _fake_attend_and_select_backward)
