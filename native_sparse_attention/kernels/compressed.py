@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import bitonic_merge
 
-from native_sparse_attention.kernels.library import launcher_op
+from native_sparse_attention.kernels.library import is_tokens_major, launcher_op, new_heads_tensor
 from native_sparse_attention.reference import compressed_attend
 from native_sparse_attention.selection import (
     BlockSelection,
@@ -722,17 +722,6 @@ def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _allocate_query_grad(q: torch.Tensor, allocate=None) -> torch.Tensor:
-    """dQ for ``q: [b, h, n, d]`` in q's memory order of heads and tokens: the layer's q is
-    a view of its qkv projection, whose gradient then gathers each token's heads from
-    contiguous rows instead of transposing them."""
-    allocate = _allocate if allocate is None else allocate
-    b, h, n, d = q.shape
-    if q.stride(1) < q.stride(2):
-        return allocate((b, n, h, d), q.dtype, q.device).transpose(1, 2)
-    return allocate((b, h, n, d), q.dtype, q.device)
-
-
 def _block_d(head_dim: int) -> int:
     # tl.dot needs every dimension >= 16.
     return max(16, triton.next_power_of_2(head_dim))
@@ -827,7 +816,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
                 **selection_meta)
 
     # dQ first: with score gradients it completes delta, which dK / dV read.
-    dq = _allocate_query_grad(q)
+    dq = new_heads_tensor(q, is_tokens_major(q), lambda shape: _allocate(shape, q.dtype, q.device))
     _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
         q, ck, cv, dout, lse, delta, *selection, dq, *args, *_bhm_strides(dq), *geometry,
         KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
@@ -923,8 +912,7 @@ def _attend_and_select_forward(
 
 
 def _fake_attend_and_select_backward(dout, dscores, q, ck, cv, *_):
-    dq = _allocate_query_grad(q, lambda shape, dtype, device: q.new_empty(shape))
-    return dq, ck.new_empty(ck.shape), cv.new_empty(cv.shape)
+    return new_heads_tensor(q, is_tokens_major(q), q.new_empty), ck.new_empty(ck.shape), cv.new_empty(cv.shape)
 
 
 @launcher_op("compressed_attend_and_select_backward", _fake_attend_and_select_backward)

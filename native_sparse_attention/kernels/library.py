@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["NAMESPACE", "launcher_op"]
+__all__ = ["NAMESPACE", "launcher_op", "is_tokens_major", "new_heads_tensor"]
 
 NAMESPACE = "native_sparse_attention"
 
@@ -44,3 +44,20 @@ def launcher_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
         return call
 
     return register
+
+
+def is_tokens_major(t: torch.Tensor) -> bool:
+    """Whether ``t: [b, h, n, d]`` keeps each token's heads together in memory, as the
+    layer's head-splitting views of its qkv projection do."""
+    return t.stride(1) < t.stride(2)
+
+
+def new_heads_tensor(t: torch.Tensor, tokens_major: bool, new: Callable) -> torch.Tensor:
+    """A tensor of ``t``'s [b, h, n, d] shape from ``new(shape)``, laid out as [b, n, h, d]
+    when ``tokens_major``. A gradient in that layout lets the projection's gradient
+    gather each token's heads without a transpose; an operator's real and fake
+    implementations both call this, so that their strides agree."""
+    b, h, n, d = t.shape
+    if tokens_major:
+        return new((b, n, h, d)).transpose(1, 2)
+    return new((b, h, n, d))

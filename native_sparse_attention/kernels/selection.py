@@ -801,22 +801,26 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     reductions or barriers, and more programs fit on an SM. At 32 heads on 2 kv heads,
     n = 65536, window 512, bf16: forward 6.74 -> 5.98 ms (with 32-row window tiles of
     32-key steps, what one warp holds), dQ 4.88 -> 4.52 ms (16-key steps, three stages),
-    the window's dK / dV 2.17 -> 2.09 ms (three stages). float32 tiles are twice as wide:
-    they keep two warps (at n = 4096 the forward takes 1.5x as long on one), and at
-    every d the window's dK / dV takes 32-key, 32-row steps (the 64 x 64 ones spill:
-    84 -> 3.2 ms at d = 64, n = 4096; 99 -> 3.8 ms at d = 128, n = 2048). The selection's dK / dV pass prefers short steps: 16 rows, except that
-    groups of more than 8 heads (one entry per 16 rows) take two entries per step
-    (5.47 -> 4.97 ms at 32 heads, n = 65536). At d = 128 the dK / dV pass takes a third
-    stage (config A at 32k: 6.70 -> 6.52 ms), the forward one only when the launch also
-    runs window tiles."""
-    window_steps = {} if dtype.itemsize == 2 else dict(window_block_n=32, window_block_m=32)
-    if head_dim <= 64:
-        dkv_rows = 32 if shared_heads > 8 else 16
-        if dtype.itemsize == 2:
+    the window's dK / dV 2.17 -> 2.09 ms (three stages). The selection's dK / dV pass
+    prefers short steps: 16 rows, except that groups of more than 8 heads (one entry per
+    16 rows) take two entries per step (5.47 -> 4.97 ms at 32 heads, n = 65536). At
+    d = 128 the dK / dV pass takes a third stage (config A at 32k: 6.70 -> 6.52 ms), the
+    forward one only when the launch also runs window tiles.
+
+    float32 tiles are twice as wide: they keep two warps (at n = 4096 the forward takes
+    1.5x as long on one), and at every d the window's dK / dV takes 32-key, 32-row steps
+    (the 64 x 64 ones spill: 84 -> 3.2 ms at d = 64, n = 4096; 99 -> 3.8 ms at d = 128,
+    n = 2048)."""
+    dkv_rows = 32 if shared_heads > 8 else 16
+    if dtype.itemsize == 2:
+        if head_dim <= 64:
             return LaunchConfig(
                 fwd_warps=1, window_rows=32, window_n=32, dq_warps=1, dq_fine_n=16, dq_stages=3,
                 dkv_rows=dkv_rows, window_stages=3,
             )
+        return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3)
+    window_steps = dict(window_block_n=32, window_block_m=32)
+    if head_dim <= 64:
         return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=dkv_rows, **window_steps)
     return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3, **window_steps)
 
