@@ -61,7 +61,12 @@ labels every entry with its key, a stable sort groups them), and
   time read q and dO rows of neighbouring queries: a working set that L2 holds where
   whole q and dO tensors may not (at 32 heads on 2 kv heads, d = 64 and n = 65536,
   5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query phase did not
-  pay: it cuts chunks short, and the atomic adds grow with their number.
+  pay: it cuts chunks short, and the atomic adds grow with their number. Nor did
+  computing dQ here as well, which would spare ``_dq_kernel``'s second gather of the
+  keys and values: a fifth dot per step plus a float32 atomic add of each entry's dQ
+  rows made the pass 4.05 ms slower at the same configuration, close to the 4.5 ms
+  that ``_dq_kernel`` takes, and packing the adds four to an instruction
+  (``red.global.add.v4.f32``) did not change that.
 - ``_sliding_dkv_kernel``: one program per (key tile, kv head, batch z); the window is a
   band, so the queries that see a key tile are known and dK / dV of the window are
   accumulated in registers without atomics. It also adds the selection's float32
