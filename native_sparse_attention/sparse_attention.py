@@ -14,7 +14,9 @@ PyTorch reference in ``reference.py``. The CUDA fast paths run the compressed br
 the block selection on the Triton kernels of ``kernels/compressed.py`` (which never
 materialise the ``[n, n / stride]`` attention), the selected + sliding branches on the
 Triton selection kernel (``use_triton_kernel``) or FlexAttention (``use_flex_attention``),
-and mix the branches with one fused kernel (``kernels/gate_combine.py``).
+and mix the branches with one fused kernel (``kernels/gate_combine.py``). With the Triton
+kernels and no score gradient (``use_diff_topk=False``) the branches and the mixing are
+one autograd node whose backward folds each gate into its branch's backward.
 """
 
 from __future__ import annotations
@@ -295,16 +297,18 @@ class SparseAttention(nn.Module):
         ck, cv = self._compress(k, v)
         rq, rk = self.rotary(q), self.rotary(k)
 
-        if fast:
-            compressed_out, selection = self._kernel_compressed_branch(q, ck, cv)
-            branches = self._kernel_branches if self.use_triton_kernel else self._flex_branches
-            selected_out, sliding_out = branches(rq, rk, v, selection)
+        if fast and self.use_triton_kernel and not self.use_diff_topk:
+            out = self._kernel_gated_branches(x_normed, q, ck, cv, rq, rk, v)
         else:
-            compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
-            selected_out = self._selected_branch(rq, rk, v, selection, q_offset=0)
-            sliding_out, _ = sliding_window_attend(rq, rk, v, self.sliding_window_size, self.causal)
-
-        out = self._combine(x_normed, compressed_out, selected_out, sliding_out, fused=fast)
+            if fast:
+                compressed_out, selection = self._kernel_compressed_branch(q, ck, cv)
+                branches = self._kernel_branches if self.use_triton_kernel else self._flex_branches
+                selected_out, sliding_out = branches(rq, rk, v, selection)
+            else:
+                compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
+                selected_out = self._selected_branch(rq, rk, v, selection, q_offset=0)
+                sliding_out, _ = sliding_window_attend(rq, rk, v, self.sliding_window_size, self.causal)
+            out = self._combine(x_normed, compressed_out, selected_out, sliding_out, fused=fast)
         if not return_cache:
             return out
         return out, self._prefill_cache(rk, v, k, ck, cv)
@@ -437,14 +441,39 @@ class SparseAttention(nn.Module):
             self.sliding_window_size, causal=self.causal, sel_scale=self._selection_scale(selection),
         )
 
+    def _kernel_gated_branches(self, x_normed, q, ck, cv, rq, rk, v) -> torch.Tensor:
+        """The Triton path when the selection scores need no gradient: the three branches
+        and their gated sum as one autograd node, whose backward folds the gates into the
+        branches' instead of writing a gated output gradient per branch
+        (``kernels/gate_combine.py``). Shapes as ``forward``'s; returns the projected output.
+        """
+        from native_sparse_attention.kernels.gate_combine import gated_branches
+
+        ck_all, cv_all = self._with_memory(ck, cv)
+        scale = self.dim_head**-0.5
+        compressed_options = (self.compress_block_size, self.compress_stride, self.num_mem, self.causal, scale,
+                              self.selection_block_size, self.num_selected_blocks, self.share_selection)
+        selection_options = (self.selection_block_size, self.causal, self.sliding_window_size, scale)
+        merged, selection = gated_branches(
+            self._gates(x_normed), q, ck_all, cv_all, rq, rk, v, compressed_options, selection_options
+        )
+        if self.recorder is not None:
+            self._record(selected_indices=selection.indices, selected_mask=selection.mask)
+        return self.to_out(merged)
+
+    def _gates(self, x_normed: torch.Tensor) -> torch.Tensor:
+        """x_normed: [b, n, dim] -> the branches' gates [3, b, h, n] (compressed, selected, sliding)."""
+        gates = self.to_gates(x_normed).squeeze(-1)
+        if self.recorder is not None:
+            self._record(gates=gates)
+        return gates
+
     def _combine(self, x_normed, compressed_out, selected_out, sliding_out, fused: bool = False) -> torch.Tensor:
         """Gate and sum the branch outputs ([b, hq, n, d] each), merge heads, project.
 
         ``fused`` does it in one Triton kernel that writes the merged heads directly.
         """
-        gates = self.to_gates(x_normed).squeeze(-1)  # [3, b, h, n]
-        if self.recorder is not None:
-            self._record(gates=gates)
+        gates = self._gates(x_normed)
         if fused:
             from native_sparse_attention.kernels.gate_combine import gated_sum
 

@@ -1,4 +1,6 @@
-"""The fused gate combination against its eager formula (float64), forward and gradients.
+"""The fused gate combination against its eager formula (float64), forward and gradients,
+and the gated branches (one autograd node, the gates folded into the branches' backward)
+against the PyTorch references of the three branches.
 
 Without CUDA the kernels run under the Triton interpreter (set up in conftest.py)."""
 
@@ -8,7 +10,9 @@ import pytest
 import torch
 from einops import rearrange
 
-from native_sparse_attention.kernels.gate_combine import gated_sum
+from native_sparse_attention.kernels.gate_combine import gated_branches, gated_sum
+from native_sparse_attention.reference import compressed_attend, selected_attend, sliding_window_attend
+from native_sparse_attention.selection import num_compressed_blocks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -53,3 +57,50 @@ def test_rejects_mismatched_shapes():
         gated_sum(torch.zeros(3, 1, 2, 5, device=DEVICE), branch, branch, branch)
     with pytest.raises(ValueError, match="sliding"):
         gated_sum(torch.zeros(3, 1, 2, 4, device=DEVICE), branch, branch, branch[..., :4])
+
+
+@pytest.mark.parametrize("causal, share_selection, num_mem", [(True, True, 0), (False, False, 1)])
+def test_gated_branches_match_references(causal, share_selection, num_mem):
+    b, hq, hk, n, d = 1, 4, 2, 70, 16
+    compress_block, stride, block, num_selected, window = 8, 4, 16, 2, 12
+    scale = d**-0.5
+    gen = torch.Generator().manual_seed(num_mem)
+    num_keys = num_mem + num_compressed_blocks(n, compress_block, stride)
+    shapes = dict(q=(b, hq, n, d), ck=(b, hk, num_keys, d), cv=(b, hk, num_keys, d), rq=(b, hq, n, d),
+                  rk=(b, hk, n, d), v=(b, hk, n, d))
+    tensors = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+    # Closed gates, also on rows without compressed keys (causal, no memory: lse = -inf),
+    # must neither leak gradient nor turn anything into NaN.
+    gates = torch.rand(3, b, hq, n, generator=gen)
+    gates[0, :, :, :6] = 0.0
+    gates[1, 0, 1, 40:44] = 0.0
+    inputs = {"gates": gates, **tensors}
+    inputs = {name: t.to(DEVICE).requires_grad_() for name, t in inputs.items()}
+    # The layer's views: gates of a [b, n, 3 * hq] projection, q of its qkv projection.
+    gates_view = rearrange(rearrange(inputs["gates"], "s b h n -> b n (h s)").detach(), "b n (h s) -> s b h n", s=3)
+    q_view = inputs["q"].detach().transpose(1, 2).contiguous().transpose(1, 2)
+    inputs.update(gates=gates_view.requires_grad_(), q=q_view.requires_grad_())
+    merged, selection = gated_branches(
+        *inputs.values(),
+        (compress_block, stride, num_mem, causal, scale, block, num_selected, share_selection),
+        (block, causal, window, scale),
+    )
+    dmerged = torch.randn(merged.shape, generator=gen).to(DEVICE)
+    merged.backward(dmerged)
+
+    ref = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
+    compressed_out, _ = compressed_attend(ref["q"], ref["ck"], ref["cv"], compress_block, stride, num_mem,
+                                          causal=causal, scale=scale)
+    selected_out, _ = selected_attend(ref["rq"], ref["rk"], ref["v"], block, selection.indices, selection.mask,
+                                      include_block_causal=causal, scale=scale)
+    sliding_out, _ = sliding_window_attend(ref["rq"], ref["rk"], ref["v"], window, causal=causal, scale=scale)
+    ref_merged = eager(ref["gates"], compressed_out, selected_out, sliding_out)
+    ref_merged.backward(dmerged.double())
+
+    assert selection.indices.shape == (b, hk if share_selection else hq, n, num_selected)
+    tol = 1e-5 if DEVICE.type == "cpu" else 5e-3  # TF32 matmuls on the GPU
+    torch.testing.assert_close(merged.double(), ref_merged, atol=tol, rtol=tol)
+    for name, t in inputs.items():
+        assert torch.isfinite(t.grad).all(), name
+        scale = ref[name].grad.abs().max().item()
+        torch.testing.assert_close(t.grad.double(), ref[name].grad, atol=10 * tol * scale, rtol=10 * tol, msg=name)

@@ -44,11 +44,11 @@ polynomial on the FMA units (FlashAttention-4's trick against a saturated MUFU) 
 forward 1.4x (1.2x) and the selection 1.5x (1.25x) slower at the layer benchmark's
 n = 65536 on an H100; the kernels are not bound by the exponentials.
 
-Tiles load through pointers, not TMA tensor descriptors: with descriptors for every
-q / dO / key / value tile (which also drop the load masks) the four kernels ran 1%-2%
-slower in the layer at n = 65536 (forward 2.66 -> 2.74 ms, dQ 2.57 -> 2.61, dK / dV
-5.03 -> 5.14, selection 2.91 -> 2.95, against +0.7%-1% drift of the untouched kernels in
-the same runs).
+The attention kernels load their q / dO / key / value tiles through TMA tensor
+descriptors (``_load_tile``), which also need no load masks: in the layer at n = 65536
+on an H100 the forward took 2.93 -> 2.63 ms and dQ 3.09 -> 2.57 ms with them, dK / dV
+the same 5.0 ms. The selection kernel keeps pointer loads, with which it ran 2.80 ms
+against 2.88.
 """
 
 from __future__ import annotations
@@ -62,7 +62,12 @@ import triton
 import triton.language as tl
 from triton.language.standard import bitonic_merge
 
-from native_sparse_attention.kernels.library import is_tokens_major, launcher_op, new_heads_tensor
+from native_sparse_attention.kernels.library import (
+    is_tokens_major,
+    launcher_op,
+    new_heads_tensor,
+    row_tiles,
+)
 from native_sparse_attention.reference import compressed_attend
 from native_sparse_attention.selection import (
     BlockSelection,
@@ -107,6 +112,13 @@ def _load_rows(ptr, start, row_stride, num_rows, BLOCK: tl.constexpr, BLOCK_D: t
     base = ptr + tl.cast(start, tl.int64) * row_stride
     mask = (start + offs[:, None] < num_rows) & (offs_d[None, :] < HEAD_DIM)
     return tl.load(base + offs[:, None] * row_stride + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_tile(desc, z, h, start, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``start .. start + BLOCK`` of head ``[z, h]`` through a ``[Z, H, rows, D]`` TMA
+    descriptor of ``[BLOCK, BLOCK_D]`` tiles; rows and columns past the end read as zero."""
+    return desc.load([z, h, start, 0]).reshape(BLOCK, BLOCK_D)
 
 
 @triton.jit
@@ -171,10 +183,7 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit, qk_scale,
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, OUT, LSE,
-    stride_qz, stride_qh, stride_qm,
-    stride_kz, stride_kh, stride_kn,
-    stride_vz, stride_vh, stride_vn,
+    Q_TILES, K_TILES, V_TILES, OUT, LSE,
     stride_oz, stride_oh, stride_om,
     HQ, M, N, NUM_MEM, CBS, STRIDE, qk_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -183,26 +192,24 @@ def _attention_fwd_kernel(
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    q_ptr = _head_pointers(Q, z, h, stride_qz, stride_qh)
-    k_ptr = _head_pointers(K, z, h // GQA_SHARED_HEADS, stride_kz, stride_kh)
-    v_ptr = _head_pointers(V, z, h // GQA_SHARED_HEADS, stride_vz, stride_vh)
+    kv_head = h // GQA_SHARED_HEADS
 
     rows = m_start + tl.arange(0, BLOCK_M)
     key_limit = NUM_MEM + _num_visible(rows, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
     full_end, keys_end = _query_key_ranges(m_start, M, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
                                            BLOCK_M, BLOCK_N, IS_CAUSAL)
-    q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
+    q = _load_tile(Q_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for key_start in range(0, full_end, BLOCK_N):
-        k = _load_rows(k_ptr, key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-        v = _load_rows(v_ptr, key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+        k = _load_tile(K_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
+        v = _load_tile(V_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit,
                                              qk_scale, BLOCK_N, False)
     for key_start in range(full_end, keys_end, BLOCK_N):
-        k = _load_rows(k_ptr, key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-        v = _load_rows(v_ptr, key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+        k = _load_tile(K_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
+        v = _load_tile(V_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit,
                                              qk_scale, BLOCK_N, True)
 
@@ -294,11 +301,11 @@ def _selection_pointers(SEL, DSCORE, z, h, M, HQ, HEADS_PER_SELECTION: tl.conste
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr, m_start,
-               stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS, STRIDE, SBS, qk_scale,
+def _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_ptr, dscore_ptr,
+               m_start, M, key_start, NUM_MEM, NC, CBS, STRIDE, SBS, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-               SCORE_GRAD: tl.constexpr, TOPN: tl.constexpr, BLOCK_J: tl.constexpr):
+               IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, SCORE_GRAD: tl.constexpr,
+               TOPN: tl.constexpr, BLOCK_J: tl.constexpr):
     """Adds one query tile's contribution to the key tile's dK (unscaled) and dV.
 
     Works on the transposed scores ``[BLOCK_N, BLOCK_M]``: P^T and dS^T then come out of
@@ -306,8 +313,8 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_
     transposed in registers (a trip through shared memory per dot).
     """
     rows = m_start + tl.arange(0, BLOCK_M)
-    q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
-    do = _load_rows(do_ptr, m_start, stride_dm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
+    q = _load_tile(Q_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
+    do = _load_tile(DO_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
     lse = _load_lse_log2(lse_ptr, rows, M)
     delta = tl.load(delta_ptr + rows, mask=rows < M, other=0.0)
     p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
@@ -336,11 +343,7 @@ def _first_row_seeing(key, NUM_MEM, CBS, STRIDE, IS_CAUSAL: tl.constexpr):
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DOUT, LSE, DELTA, SEL, DSCORE, DK, DV,
-    stride_qz, stride_qh, stride_qm,
-    stride_kz, stride_kh, stride_kn,
-    stride_vz, stride_vh, stride_vn,
-    stride_dz, stride_dh, stride_dm,
+    Q_TILES, K_TILES, V_TILES, DO_TILES, LSE, DELTA, SEL, DSCORE, DK, DV,
     HQ, M, N, NUM_MEM, CBS, STRIDE, SBS, qk_scale, sm_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -354,15 +357,11 @@ def _attention_bwd_dkdv_kernel(
     key_start = tl.program_id(1) * BLOCK_N
     split = tl.program_id(2)
     NC = N - NUM_MEM
-    q_ptr = _head_pointers(Q, z, h, stride_qz, stride_qh)
-    do_ptr = _head_pointers(DOUT, z, h, stride_dz, stride_dh)
     lse_ptr = LSE + zh.to(tl.int64) * M
     delta_ptr = DELTA + zh.to(tl.int64) * M
     sel_ptr, dscore_ptr = _selection_pointers(SEL, DSCORE, z, h, M, HQ, HEADS_PER_SELECTION, TOPN)
-    k = _load_rows(_head_pointers(K, z, h // GQA_SHARED_HEADS, stride_kz, stride_kh),
-                   key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-    v = _load_rows(_head_pointers(V, z, h // GQA_SHARED_HEADS, stride_vz, stride_vh),
-                   key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    k = _load_tile(K_TILES, z, h // GQA_SHARED_HEADS, key_start, BLOCK_N, BLOCK_D)
+    v = _load_tile(V_TILES, z, h // GQA_SHARED_HEADS, key_start, BLOCK_N, BLOCK_D)
 
     # Rows before the first key's first viewer see nothing of this tile; rows from the
     # last key's first viewer on see all of it.
@@ -378,15 +377,15 @@ def _attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for m_start in range(rows_lo, rows_masked_end, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr,
-                            m_start, stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS,
-                            STRIDE, SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
-                            IS_CAUSAL, True, SCORE_GRAD, TOPN, BLOCK_J)
+        dk, dv = _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_ptr,
+                            dscore_ptr, m_start, M, key_start, NUM_MEM, NC, CBS, STRIDE, SBS,
+                            qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IS_CAUSAL, True, SCORE_GRAD,
+                            TOPN, BLOCK_J)
     for m_start in range(tl.maximum(rows_full, rows_lo), rows_hi, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sel_ptr, dscore_ptr,
-                            m_start, stride_qm, stride_dm, M, key_start, NUM_MEM, NC, CBS,
-                            STRIDE, SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM,
-                            IS_CAUSAL, False, SCORE_GRAD, TOPN, BLOCK_J)
+        dk, dv = _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_ptr,
+                            dscore_ptr, m_start, M, key_start, NUM_MEM, NC, CBS, STRIDE, SBS,
+                            qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IS_CAUSAL, False, SCORE_GRAD,
+                            TOPN, BLOCK_J)
 
     part = (split.to(tl.int64) * tl.num_programs(0) + zh) * N * HEAD_DIM
     _store_rows(DK + part, key_start, HEAD_DIM, N, dk * sm_scale, BLOCK_N, BLOCK_D, HEAD_DIM)
@@ -394,12 +393,11 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
-             key_limit, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+def _dq_step(dq, q, do, lse, delta, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
+             qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
     """Adds one key tile's contribution to the query tile's dQ (unscaled)."""
-    k = _load_rows(k_ptr, key_start, stride_kn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-    v = _load_rows(v_ptr, key_start, stride_vn, N, BLOCK_N, BLOCK_D, HEAD_DIM)
+    k = _load_tile(K_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
+    v = _load_tile(V_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
     p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
     if MASKED:
         cols = key_start + tl.arange(0, BLOCK_N)
@@ -444,11 +442,8 @@ def _score_path(q, lse, rows, M, k_ptr, stride_kn, sel_ptr, dscore_ptr, key_limi
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V, DOUT, LSE, DELTA, SEL, DSCORE, DQ,
-    stride_qz, stride_qh, stride_qm,
+    Q_TILES, K_TILES, V_TILES, DO_TILES, K, LSE, DELTA, SEL, DSCORE, DQ,
     stride_kz, stride_kh, stride_kn,
-    stride_vz, stride_vh, stride_vn,
-    stride_dz, stride_dh, stride_dm,
     stride_gz, stride_gh, stride_gm,
     HQ, M, N, NUM_MEM, CBS, STRIDE, SBS, qk_scale, sm_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -457,17 +452,15 @@ def _attention_bwd_dq_kernel(
     KEYS_PER_BLOCK: tl.constexpr,
 ):
     # With SCORE_GRAD, dS = P * (dP + G - delta - rowsum(P * G)): this kernel adds the
-    # last term to DELTA, in place, for the dK / dV kernel that runs after it.
+    # last term to DELTA, in place, for the dK / dV kernel that runs after it. K (with
+    # its strides) is the pointer that path gathers single keys through.
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    k_ptr = _head_pointers(K, z, h // GQA_SHARED_HEADS, stride_kz, stride_kh)
-    v_ptr = _head_pointers(V, z, h // GQA_SHARED_HEADS, stride_vz, stride_vh)
+    kv_head = h // GQA_SHARED_HEADS
     rows = m_start + tl.arange(0, BLOCK_M)
-    q = _load_rows(_head_pointers(Q, z, h, stride_qz, stride_qh), m_start, stride_qm, M,
-                   BLOCK_M, BLOCK_D, HEAD_DIM)
-    do = _load_rows(_head_pointers(DOUT, z, h, stride_dz, stride_dh), m_start, stride_dm, M,
-                    BLOCK_M, BLOCK_D, HEAD_DIM)
+    q = _load_tile(Q_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
+    do = _load_tile(DO_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
     lse = _load_lse_log2(LSE + zh.to(tl.int64) * M, rows, M)
     delta_ptr = DELTA + zh.to(tl.int64) * M
     delta = tl.load(delta_ptr + rows, mask=rows < M, other=0.0)
@@ -477,6 +470,7 @@ def _attention_bwd_dq_kernel(
     if SCORE_GRAD:
         sel_ptr, dscore_ptr = _selection_pointers(SEL, DSCORE, z, h, M, HQ,
                                                   HEADS_PER_SELECTION, TOPN)
+        k_ptr = _head_pointers(K, z, kv_head, stride_kz, stride_kh)
         dq, pg = _score_path(q, lse, rows, M, k_ptr, stride_kn, sel_ptr, dscore_ptr,
                              key_limit, NUM_MEM, CBS, STRIDE, SBS, qk_scale, TOPN,
                              KEYS_PER_BLOCK, BLOCK_M, BLOCK_D, HEAD_DIM)
@@ -486,11 +480,11 @@ def _attention_bwd_dq_kernel(
     full_end, keys_end = _query_key_ranges(m_start, M, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
                                            BLOCK_M, BLOCK_N, IS_CAUSAL)
     for key_start in range(0, full_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
-                      key_limit, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False)
+        dq = _dq_step(dq, q, do, lse, delta, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
+                      qk_scale, BLOCK_N, BLOCK_D, False)
     for key_start in range(full_end, keys_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_ptr, v_ptr, key_start, stride_kn, stride_vn, N,
-                      key_limit, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True)
+        dq = _dq_step(dq, q, do, lse, delta, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
+                      qk_scale, BLOCK_N, BLOCK_D, True)
     _store_rows(_head_pointers(DQ, z, h, stride_gz, stride_gh), m_start, stride_gm, M,
                 dq * sm_scale, BLOCK_M, BLOCK_D, HEAD_DIM)
 
@@ -756,12 +750,13 @@ def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.T
     out = _allocate((b, hq, n, d), q.dtype, q.device)
     lse = _allocate((b, hq, n), torch.float32, q.device)
     grid = (b * hq, triton.cdiv(n, tiles.block_m))
+    block_d = _block_d(d)
     _attention_fwd_kernel[grid](
-        q, ck, cv, out, lse,
-        *_bhm_strides(q), *_bhm_strides(ck), *_bhm_strides(cv), *_bhm_strides(out),
+        row_tiles(q, tiles.block_m, block_d), row_tiles(ck, tiles.block_n, block_d),
+        row_tiles(cv, tiles.block_n, block_d), out, lse, *_bhm_strides(out),
         hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
         geo.scale * LOG2E,
-        GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=_block_d(d),
+        GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=block_d,
         **_launch_meta(tiles),
     )
     return out, lse
@@ -779,10 +774,19 @@ def _blocks_per_key_tile(block_n: int, geo: _Geometry) -> int:
     return max(16, triton.next_power_of_2(span))
 
 
+def _query_and_key_tiles(q, dout, ck, cv, tiles: _Launch, block_d: int):
+    """TMA descriptors of the backward kernels' tiles, in their argument order:
+    (q, ck, cv, dout)."""
+    return (row_tiles(q, tiles.block_m, block_d), row_tiles(ck, tiles.block_n, block_d),
+            row_tiles(cv, tiles.block_n, block_d), row_tiles(dout, tiles.block_m, block_d))
+
+
 def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
                         score_grad=None):
     """Gradients of ``_attention_forward``: (dq [b, hq, n, d] in q's memory order of heads
-    and tokens, dck, dcv [b, hk, N, d]).
+    and tokens, dck, dcv [b, hk, N, d], delta [b, hq, n] float32), where delta is the
+    softmax-backward correction rowsum(dout * out) (plus the scores' rowsum(P * G) with
+    ``score_grad``).
 
     ``score_grad: [b, hs, n, num_selected]`` (float32, 0 on masked slots), the gradient
     of the selection scores of ``indices``, adds their path through the probabilities.
@@ -814,9 +818,6 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
         # Never read: any valid pointers do.
         selection = (lse, lse)
         selection_meta = dict(SCORE_GRAD=False, HEADS_PER_SELECTION=1, TOPN=1)
-    args = (
-        *_bhm_strides(q), *_bhm_strides(ck), *_bhm_strides(cv), *_bhm_strides(dout),
-    )
     geometry = (hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
                 geo.selection_block_size, geo.scale * LOG2E, geo.scale)
     meta = dict(GQA_SHARED_HEADS=hq // hk, IS_CAUSAL=geo.causal, HEAD_DIM=d, BLOCK_D=block_d,
@@ -825,7 +826,8 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     # dQ first: with score gradients it completes delta, which dK / dV read.
     dq = new_heads_tensor(q, is_tokens_major(q), lambda shape: _allocate(shape, q.dtype, q.device))
     _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
-        q, ck, cv, dout, lse, delta, *selection, dq, *args, *_bhm_strides(dq), *geometry,
+        *_query_and_key_tiles(q, dout, ck, cv, dq_tiles, block_d), ck, lse, delta, *selection, dq,
+        *_bhm_strides(ck), *_bhm_strides(dq), *geometry,
         KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
     )
     # Partials per query head and share of the rows, summed below over each group and
@@ -836,13 +838,14 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     dv_part = _allocate((splits, b, hq, num_keys, d), torch.float32, q.device)
     if num_keys > 0:
         _attention_bwd_dkdv_kernel[(b * hq, key_tiles, splits)](
-            q, ck, cv, dout, lse, delta, *selection, dk_part, dv_part, *args, *geometry,
+            *_query_and_key_tiles(q, dout, ck, cv, dkdv_tiles, block_d), lse, delta, *selection,
+            dk_part, dv_part, *geometry,
             BLOCK_J=_blocks_per_key_tile(dkdv_tiles.block_n, geo), **meta,
             **_launch_meta(dkdv_tiles),
         )
     dck = dk_part.view(splits, b, hk, hq // hk, num_keys, d).sum((0, 3)).to(ck.dtype)
     dcv = dv_part.view(splits, b, hk, hq // hk, num_keys, d).sum((0, 3)).to(cv.dtype)
-    return dq, dck, dcv
+    return dq, dck, dcv, delta
 
 
 def _chunk_layout(compress_block_size, compress_stride, selection_block_size, block_c: int):
@@ -919,7 +922,8 @@ def _attend_and_select_forward(
 
 
 def _fake_attend_and_select_backward(dout, dscores, q, ck, cv, *_):
-    return new_heads_tensor(q, is_tokens_major(q), q.new_empty), ck.new_empty(ck.shape), cv.new_empty(cv.shape)
+    return (new_heads_tensor(q, is_tokens_major(q), q.new_empty), ck.new_empty(ck.shape),
+            cv.new_empty(cv.shape), q.new_empty(q.shape[:3], dtype=torch.float32))
 
 
 @launcher_op("compressed_attend_and_select_backward", _fake_attend_and_select_backward)
@@ -929,8 +933,9 @@ def _attend_and_select_backward(
     mask: torch.Tensor, compress_block_size: int, compress_stride: int, num_mem: int,
     causal: bool, scale: float, selection_block_size: int, num_selected: int,
     share_selection: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dq, dck, dcv) from the gradients of out and of the selection scores."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dck, dcv, delta) from the gradients of out and of the selection scores;
+    delta: ``_attention_backward``'s."""
     geo = _Geometry(compress_block_size, compress_stride, num_mem, causal, scale,
                     selection_block_size, num_selected, share_selection)
     dout = torch.zeros_like(out) if dout is None else _rows_last_contiguous(dout)
@@ -969,7 +974,7 @@ class _CompressedAttendAndSelect(torch.autograd.Function):
         no_grads = (None,) * (1 + len(ctx.geometry))
         if dout is None and dscores is None:
             return None, None, None, *no_grads
-        dq, dck, dcv = _attend_and_select_backward(dout, dscores, *ctx.saved_tensors, *ctx.geometry)
+        dq, dck, dcv, _ = _attend_and_select_backward(dout, dscores, *ctx.saved_tensors, *ctx.geometry)
         return dq, dck, dcv, *no_grads
 
 

@@ -14,6 +14,14 @@ Backward: ``dBk = G[k] * dOUT`` and ``dG[k] = sum_d dOUT * Bk``, one pass over d
 
 Against the eager formula (three products, two sums and a head-merging copy, each a
 full-size tensor) this reads each branch once and writes the output once.
+
+``gated_branches`` goes further for the layer's kernel path: the branches and their
+gated sum form one autograd node, whose backward never writes the branches' output
+gradients ``dBk = G[k] * dOUT``. Each branch's backward gets dOUT itself, with its gate
+folded into its LSE: ``exp(s - (lse - log g)) = g * P``, so with the correction
+``rowsum(dOUT * Bk)`` every gradient of the branch (dV = (gP)^T dOUT, dS = gP * (dP -
+rowsum(dOUT * Bk)), hence dQ and dK) equals the one from ``g * dOUT``; that correction,
+which the branch's backward computes anyway, is also the gate's gradient ``dG[k]``.
 """
 
 from __future__ import annotations
@@ -21,10 +29,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from einops import rearrange
 
+from native_sparse_attention.kernels import compressed as compressed_kernels
+from native_sparse_attention.kernels import selection as selection_kernels
 from native_sparse_attention.kernels.library import launcher_op
+from native_sparse_attention.selection import BlockSelection
 
-__all__ = ["gated_sum"]
+__all__ = ["gated_branches", "gated_sum"]
 
 
 @triton.jit
@@ -227,3 +239,70 @@ def gated_sum(gates: torch.Tensor, compressed: torch.Tensor, selected: torch.Ten
             raise ValueError(f"{name} must match compressed {tuple(branches[0].shape)} "
                              f"{branches[0].dtype}, got {tuple(t.shape)} {t.dtype}")
     return _GatedSum.apply(gates, *branches)
+
+
+def _folded_lse(lse: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``lse - log(gate)``: +inf (every P = 0) where the gate is 0, so that no row turns
+    into NaN, also where lse is -inf (a row without keys). Contiguous like ``lse``, as
+    the kernels index it, whatever the strides of the gate's view."""
+    return torch.where(gate > 0, lse - gate.float().log(), float("inf")).contiguous()
+
+
+class _GatedBranches(torch.autograd.Function):
+    """The compressed branch with its block selection, the selected and sliding branches,
+    and their gated sum, as one node (see the module docstring). ``compressed_options``:
+    the compressed operator's geometry; ``selection_options``: (block_size, causal,
+    window, scale) of the selection operator."""
+
+    @staticmethod
+    def forward(ctx, gates, q, ck, cv, rq, rk, v, compressed_options, selection_options):
+        out_c, lse_c, indices, mask, scores = compressed_kernels._attend_and_select_forward(
+            q, ck, cv, *compressed_options
+        )
+        out_s, lse_s, out_w, lse_w = selection_kernels._launch_forward(
+            rq, rk, v, indices, mask, None, *selection_options
+        )
+        merged = _forward(gates, out_c, out_s, out_w)
+        ctx.save_for_backward(gates, q, ck, cv, rq, rk, v, indices, mask, out_c, lse_c, out_s, lse_s, out_w, lse_w)
+        ctx.options = compressed_options, selection_options
+        ctx.mark_non_differentiable(indices, mask, scores)
+        return merged, indices, mask, scores
+
+    @staticmethod
+    def backward(ctx, d_merged, _d_indices, _d_mask, _d_scores):
+        gates, q, ck, cv, rq, rk, v, indices, mask, out_c, lse_c, out_s, lse_s, out_w, lse_w = ctx.saved_tensors
+        compressed_options, selection_options = ctx.options
+        b, h, n, d = out_c.shape
+        # Heads-major like the branch outputs: the selection's dK / dV pass gathers dO rows
+        # by an offset it derives from the LSE's, where a strided view costs it 0.3 ms at
+        # the layer benchmark's n = 65536, about what the copy takes.
+        d_out = rearrange(d_merged, "b n (h d) -> b h n d", h=h).contiguous()
+        gate_c, gate_s, gate_w = gates
+        dq, dck, dcv, dgate_c = compressed_kernels._attend_and_select_backward(
+            d_out, None, q, ck, cv, out_c, _folded_lse(lse_c, gate_c), indices, mask, *compressed_options
+        )
+        drq, drk, dv, _, dgate_s, dgate_w = selection_kernels._launch_backward(
+            rq, rk, v, indices, mask, None, out_s, _folded_lse(lse_s, gate_s), out_w, _folded_lse(lse_w, gate_w),
+            d_out, d_out, *selection_options,
+        )
+        dgates = torch.stack((dgate_c, dgate_s, dgate_w)).to(gates.dtype)
+        return dgates, dq, dck, dcv, drq, drk, dv, None, None
+
+
+def gated_branches(gates: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rq: torch.Tensor,
+                   rk: torch.Tensor, v: torch.Tensor, compressed_options: tuple, selection_options: tuple):
+    """NSA's three branches on the Triton kernels, mixed by their gates: the layer's kernel
+    path when the selection scores need no gradient.
+
+    gates: [3, b, hq, n]; q, rq (with rotary): [b, hq, n, d]; ck, cv: [b, hk, num_mem + nc, d]
+    (unit stride along d); rk (with rotary), v: [b, hk, n, d]. ``compressed_options``:
+    (compress_block_size, compress_stride, num_mem, causal, scale, selection_block_size,
+    num_selected, share_selection); ``selection_options``: (selection_block_size, causal,
+    sliding_window_size, scale), all already validated. Returns the gated sum with the heads
+    merged, [b, n, hq * d] (differentiable in every tensor input), and the
+    ``BlockSelection`` the compressed branch chose (not differentiable).
+    """
+    merged, indices, mask, scores = _GatedBranches.apply(
+        gates, q, ck, cv, rq, rk, v, compressed_options, selection_options
+    )
+    return merged, BlockSelection(indices, mask, scores)

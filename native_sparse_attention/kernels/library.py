@@ -19,8 +19,10 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["NAMESPACE", "launcher_op", "is_tokens_major", "new_heads_tensor"]
+__all__ = ["NAMESPACE", "launcher_op", "is_tokens_major", "new_heads_tensor", "row_tiles"]
 
 NAMESPACE = "native_sparse_attention"
 
@@ -61,3 +63,28 @@ def new_heads_tensor(t: torch.Tensor, tokens_major: bool, new: Callable) -> torc
     if tokens_major:
         return new((b, n, h, d)).transpose(1, 2)
     return new((b, h, n, d))
+
+
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """Whether the tensor memory accelerator can read ``t``: unit stride along the last
+    dim, the start and every other stride on 16-byte boundaries."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(stride * size % 16 == 0 for stride in t.stride()[:-1]))
+
+
+def row_tiles(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
+    """Descriptor of ``t: [b, h, rows, d]`` for loading ``[block_rows, block_d]`` tiles of
+    one head with the tensor memory accelerator (TMA): ``desc.load([z, h, row, 0])``.
+    Rows and columns past the end read as zeros, so kernels need no load masks.
+
+    A tensor whose rows TMA cannot address (a head dim of an odd byte width, say) is
+    read from a copy with padded rows; an empty one, which kernels never read, by a
+    one-row stand-in (descriptors need positive sizes).
+    """
+    if t.numel() == 0:
+        t = t.new_zeros(1, 1, 1, t.shape[-1])
+    elif not _tma_addressable(t):
+        d = t.shape[-1]
+        t = F.pad(t, (0, -d % (16 // t.element_size())))[..., :d]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, block_d])

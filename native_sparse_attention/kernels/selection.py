@@ -1112,7 +1112,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         # Copies even in float32: the operator's outputs must not share the accumulators' storage.
         dk, dv = dk_acc.to(k.dtype, copy=True), dv_acc.to(v.dtype, copy=True)
     dsel = _empty((0,), q.dtype, q.device) if dsel is None else dsel.to(sel_scale.dtype)
-    return dq, dk, dv, dsel
+    return dq, dk, dv, dsel, delta, _empty((0,), torch.float32, q.device) if swa_delta is None else swa_delta
 
 
 def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, window: int | None,
@@ -1157,7 +1157,9 @@ def _launch_forward(
 def _fake_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse, d_out, d_swa_out,
                    block_size, causal, window, scale):
     dsel = q.new_empty(0) if sel_scale is None else sel_scale.new_empty(indices.shape)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsel
+    delta = lse.new_empty(lse.shape)
+    swa_delta = lse.new_empty(lse.shape if window is not None and d_swa_out is not None else (0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsel, delta, swa_delta
 
 
 @launcher_op("selection_backward", _fake_backward)
@@ -1166,8 +1168,10 @@ def _launch_backward(
     sel_scale: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, swa_out: torch.Tensor,
     swa_lse: torch.Tensor, d_out: torch.Tensor | None, d_swa_out: torch.Tensor | None,
     block_size: int, causal: bool, window: int | None, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dq, dk, dv, dsel_scale); dsel_scale is empty when sel_scale is None."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv, dsel_scale, delta, swa_delta); dsel_scale is empty when sel_scale is
+    None, swa_delta without the window's gradient. delta, swa_delta: [b, hq, n] float32,
+    the softmax-backward corrections rowsum(d_out * out) and rowsum(d_swa_out * swa_out)."""
     problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale)
     saved = (q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse)
     return _backward(problem, saved, d_out, d_swa_out)
@@ -1186,7 +1190,7 @@ class _SelectionAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_swa_out, _d_lse):
         saved = ctx.saved_tensors
-        dq, dk, dv, dsel = _launch_backward(*saved, d_out, d_swa_out, *ctx.options)
+        dq, dk, dv, dsel, _, _ = _launch_backward(*saved, d_out, d_swa_out, *ctx.options)
         has_sel_scale = saved[5] is not None
         return dq, dk, dv, (dsel if has_sel_scale else None), None, None, None, None, None, None
 
