@@ -216,6 +216,13 @@ CASES = {
     "window_tiles_group3": Case(hq=6, hk=2, n=37, d=16, num_slots=2, window=9,
                                 launch=(("window_rows", 16), ("window_n", 16), ("window_dq_rows", 16),
                                         ("window_dq_n", 16))),
+    # Windows spanning several query and key tiles of the window's dK / dV pass.
+    "window_band_dkv_tiles": Case(hq=2, hk=1, n=90, d=16, num_slots=2, window=37,
+                                  launch=(("window_block_n", 16), ("window_block_m", 16))),
+    "window_band_dkv_tiles_non_causal": Case(hq=2, hk=1, n=83, d=16, num_slots=2, causal=False, window=29,
+                                             launch=(("window_block_n", 16), ("window_block_m", 32))),
+    # The 2-byte default up to d = 64: the window tiles in a launch of their own.
+    "window_own_launch_fp16_group4": Case(hq=8, hk=2, n=43, d=32, num_slots=2, window=13, dtype=torch.float16),
     "window_tiles_non_causal_group3": Case(hq=3, hk=1, n=30, d=16, num_slots=2, causal=False, window=7,
                                            launch=(("window_rows", 32), ("window_n", 16),
                                                    ("window_dq_rows", 16), ("window_dq_n", 32))),

@@ -34,8 +34,13 @@ positions per program, one warp each through a batched [positions, ROWS, D] dot,
 1.6x-1.8x slower than one position per program at 32 heads on 2 kv heads on an H100.)
 
 - ``_fwd_kernel``: online softmax over the key sets' tiles. With SLIDING the same launch
-  also runs the window: its first NUM_WINDOW_TILES programs along axis 0 each take a
-  window tile (below), the others one query position each.
+  can also run the window: its first NUM_WINDOW_TILES programs along axis 0 each take a
+  window tile (below), the others one query position each. Where the window wants other
+  warps than the selection's one-warp programs, the kernel is launched twice instead,
+  once for each kind of program: at 32 heads on 2 kv heads, d = 64, n = 65536, window
+  512, bf16 on an H100, the shared launch took 5.96 ms, the selection alone 4.22 ms and
+  the window alone 0.96 ms in 8-warp tiles of 128 rows (1.56 ms in the shared launch's
+  one-warp tiles of 32 rows).
 - ``_dq_kernel``: recomputes P per tile; dQ stays in registers (the program owns all of
   its query's keys, so no atomics), dsel_scale is reduced per slot, and delta =
   rowsum(dO * O) is stored for the key side. With SLIDING it adds the window's dQ, which
@@ -770,6 +775,9 @@ class LaunchConfig:
     ``window_rows`` rows (raised to the padded group when smaller) and walk keys
     ``window_n`` at a time with the launch's warps;
     ``window_dq_rows`` and ``window_dq_n`` are the same for ``_window_dq_kernel``.
+    ``window_fwd_warps`` None runs the window tiles in the selection's forward launch,
+    with its warps and stages; a number gives them a launch of their own with that many
+    warps and ``window_fwd_stages`` stages.
     ``_sliding_dkv_kernel`` takes ``window_block_n`` keys and ``window_block_m`` query
     rows per step.
     """
@@ -786,6 +794,8 @@ class LaunchConfig:
     dkv_stages: int = 2
     window_rows: int = 64
     window_n: int = 32
+    window_fwd_warps: int | None = None
+    window_fwd_stages: int = 2
     window_dq_rows: int = 64
     window_dq_n: int = 64
     window_dq_warps: int = 4
@@ -805,12 +815,18 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     tiles best in the forward and the dQ pass: a 16-row tile then needs no cross-warp
     reductions or barriers, and more programs fit on an SM. At 32 heads on 2 kv heads,
     n = 65536, window 512, bf16: forward 6.74 -> 5.98 ms (with 32-row window tiles of
-    32-key steps, what one warp holds), dQ 4.88 -> 4.52 ms (16-key steps, three stages),
-    the window's dK / dV 2.17 -> 2.09 ms (three stages). The selection's dK / dV pass
+    32-key steps, what one warp holds; 5.18 ms with the window in a launch of its own,
+    128-row tiles of 64-key steps, eight warps and three stages, the fastest of the
+    shapes from 32 to 256 rows, 32 to 128 keys and 1 to 8 warps), dQ 4.88 -> 4.52 ms
+    (16-key steps, three stages), the window's dK / dV 2.17 -> 2.09 ms (three stages),
+    then 1.97 ms in 32-row steps of four stages (at d = 128, n = 32768: 1.80 -> 1.42 ms;
+    32-row steps pay only in four stages, and 128-key tiles or a mask skipped in the
+    band's inner tiles did not). The selection's dK / dV pass
     prefers short steps: 16 rows, except that groups of more than 8 heads (one entry per
     16 rows) take two entries per step (5.47 -> 4.97 ms at 32 heads, n = 65536). At
     d = 128 the dK / dV pass takes a third stage (config A at 32k: 6.70 -> 6.52 ms), the
-    forward one only when the launch also runs window tiles.
+    forward one only when the launch also runs window tiles, which stay in its launch
+    there (launches of their own, 4 or 8 warps, ran 2.5%-20% slower at n = 32768).
 
     float32 tiles are twice as wide: they keep two warps (at n = 4096 the forward takes
     1.5x as long on one), and at every d the window's dK / dV takes 32-key, 32-row steps
@@ -820,10 +836,10 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     if dtype.itemsize == 2:
         if head_dim <= 64:
             return LaunchConfig(
-                fwd_warps=1, window_rows=32, window_n=32, dq_warps=1, dq_fine_n=16, dq_stages=3,
-                dkv_rows=dkv_rows, window_stages=3,
+                fwd_warps=1, window_rows=128, window_n=64, window_fwd_warps=8, window_fwd_stages=3, dq_warps=1,
+                dq_fine_n=16, dq_stages=3, dkv_rows=dkv_rows, window_block_m=32, window_stages=4,
             )
-        return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3)
+        return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3, window_block_m=32, window_stages=4)
     window_steps = dict(window_block_n=32, window_block_m=32)
     if head_dim <= 64:
         return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=dkv_rows, **window_steps)
@@ -952,20 +968,28 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
     swa_out = _empty((b, hq, n, d) if sliding else (0,), q.dtype, q.device)
     swa_lse = _empty((b, hq, n) if sliding else (0,), torch.float32, q.device)
     sel_idx, sel_mask, sel_scale = _selection_operands(indices, fmask, sel_scale, lse)
+    config = problem.config
+
+    def launch(window_tiles: int, positions: int, num_warps: int, num_stages: int) -> None:
+        window = problem.window_constexprs(for_dq=False) if window_tiles else dict(WINDOW=0, HEADS_PAD=1,
+                                                                                   WINDOW_ROWS=1, WINDOW_N=1)
+        _fwd_kernel[(window_tiles + positions, problem.selection_heads, b)](
+            q, k, v, sel_idx, sel_mask, sel_scale, out, lse, swa_out if sliding else out, swa_lse if sliding else lse,
+            *_strides(q), *_strides(k), *_strides(v),
+            n, hq, problem.selection_heads, window_tiles, problem.scale,
+            **problem.constexprs,
+            **window,
+            SLIDING=window_tiles > 0,
+            DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+
     window_tiles = problem.num_window_tiles(for_dq=False) if sliding else 0
-    window = problem.window_constexprs(for_dq=False) if sliding else dict(WINDOW=0, HEADS_PAD=1, WINDOW_ROWS=1,
-                                                                            WINDOW_N=1)
-    _fwd_kernel[(window_tiles + n, problem.selection_heads, b)](
-        q, k, v, sel_idx, sel_mask, sel_scale, out, lse, swa_out if sliding else out, swa_lse if sliding else lse,
-        *_strides(q), *_strides(k), *_strides(v),
-        n, hq, problem.selection_heads, window_tiles, problem.scale,
-        **problem.constexprs,
-        **window,
-        SLIDING=sliding,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=problem.config.fwd_warps,
-        num_stages=problem.config.fwd_stages,
-    )
+    if window_tiles and config.window_fwd_warps is not None:
+        launch(window_tiles, 0, config.window_fwd_warps, config.window_fwd_stages)
+        window_tiles = 0
+    launch(window_tiles, n, config.fwd_warps, config.fwd_stages)
     return out, lse, swa_out, swa_lse
 
 
