@@ -56,6 +56,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     index_dtype: torch.dtype = torch.int64
     heads_last: bool = False  # q, k, v as transposed [b, n, h, d] views
+    padded_rows: bool = False  # q, k, v as views of rows 8 elements longer (neither layout)
 
     @property
     def selection_heads(self) -> int:
@@ -90,8 +91,9 @@ def make_inputs(case: Case, seed: int):
     gen = torch.Generator().manual_seed(seed)
 
     def rand(h):
-        shape = (case.b, case.n, h, case.d) if case.heads_last else (case.b, h, case.n, case.d)
-        t = torch.randn(shape, generator=gen).to(DEVICE, case.dtype)
+        d = case.d + 8 * case.padded_rows
+        shape = (case.b, case.n, h, d) if case.heads_last else (case.b, h, case.n, d)
+        t = torch.randn(shape, generator=gen).to(DEVICE, case.dtype)[..., : case.d]
         return (t.transpose(1, 2) if case.heads_last else t).requires_grad_()
 
     q, k, v = rand(case.hq), rand(case.hk), rand(case.hk)
@@ -210,6 +212,7 @@ CASES = {
     "non_causal_sliding_per_head": Case(hq=2, hk=1, n=29, d=16, causal=False, window=6, per_query_head=True),
     "non_causal_block64_fp16_strided": Case(hq=2, hk=1, n=40, block_size=64, causal=False, dtype=torch.float16,
                                             heads_last=True),
+    "padded_rows_group2_sliding": Case(b=2, hq=4, hk=2, n=35, d=16, num_slots=2, window=11, padded_rows=True),
     "sliding_fp16_window0_d96": Case(hq=2, hk=1, n=21, d=96, num_slots=2, window=0, dtype=torch.float16),
     # Window tiles of 4 positions x 4 rows (group 3 padded) walking keys 16 at a time, so
     # that tiles start mid-window, cross key tiles and end past n.

@@ -273,10 +273,10 @@ class _GatedBranches(torch.autograd.Function):
         gates, q, ck, cv, rq, rk, v, indices, mask, out_c, lse_c, out_s, lse_s, out_w, lse_w = ctx.saved_tensors
         compressed_options, selection_options = ctx.options
         b, h, n, d = out_c.shape
-        # Heads-major like the branch outputs: the selection's dK / dV pass gathers dO rows
-        # by an offset it derives from the LSE's, where a strided view costs it 0.3 ms at
-        # the layer benchmark's n = 65536, about what the copy takes.
-        d_out = rearrange(d_merged, "b n (h d) -> b h n d", h=h).contiguous()
+        # A view, tokens-major: every kernel of the branches reads dO through strides or
+        # TMA descriptors, and the selection's dK / dV pass has an offset path for this
+        # layout, so no heads-major copy is made.
+        d_out = rearrange(d_merged, "b n (h d) -> b h n d", h=h)
         gate_c, gate_s, gate_w = gates
         dq, dck, dcv, dgate_c = compressed_kernels._attend_and_select_backward(
             d_out, None, q, ck, cv, out_c, _folded_lse(lse_c, gate_c), indices, mask, *compressed_options

@@ -96,6 +96,10 @@ __all__ = ["LaunchConfig", "default_launch_config", "selection_attention"]
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MIN_ROWS = 16  # tl.dot needs M, N and K of at least 16
+# Memory layouts of the [Z, HQ, N, D] rows that _dkv_kernel gathers (see _gathered_rows).
+ROWS_STRIDED = tl.constexpr(0)
+ROWS_HEADS_MAJOR = tl.constexpr(1)  # contiguous [Z, HQ, N, D]
+ROWS_TOKENS_MAJOR = tl.constexpr(2)  # a [Z, N, HQ, D] tensor with its head and token dims swapped
 ENTRY_KEYS_QUERIES = 64  # queries per program of _entry_keys_kernel
 CHUNK_POSITIONS = 1024  # chunks per program of _chunk_position_kernel
 
@@ -573,6 +577,20 @@ def _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL: tl.constexpr, NUM_SETS: t
 
 
 @triton.jit
+def _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_z, stride_h, stride_n, LAYOUT: tl.constexpr):
+    """int64 offsets of rows ``[z, head, i]`` whose LSE offsets are ``lse_rows``. The two
+    dense layouts take one or two products per row where strides take three: a sizeable
+    part of a pass bound by instruction issue (config A at 32k on an H100, heads-major
+    against strides: 7.10 -> 6.71 ms)."""
+    if LAYOUT == ROWS_HEADS_MAJOR:
+        return lse_rows * D
+    elif LAYOUT == ROWS_TOKENS_MAJOR:
+        return ((z.to(tl.int64) * N + i) * HQ + head) * D
+    else:
+        return _strided_rows(z, head, i, stride_z, stride_h, stride_n)
+
+
+@triton.jit
 def _entry_keys_kernel(
     SEL_IDX, SEL_MASK, KEYS, ENTRIES,
     N, HKV, HS, NUM_BLOCKS, NUM_KEYS,
@@ -639,15 +657,12 @@ def _dkv_kernel(
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr, CHUNK: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
-    DENSE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the selection for one fine tile of one key block, from one chunk of the
     entries that attend the block, added to the float32 accumulators.
 
-    DENSE_ROWS: q and dO are contiguous [Z, HQ, N, D], so that a gathered row's offset is
-    its LSE offset times D. The three 64-bit stride products it saves per row and step
-    are a sizeable part of a pass bound by instruction issue (config A at 32k on an
-    H100: 7.10 -> 6.71 ms)."""
+    Q_ROWS, DO_ROWS: the memory layouts of q and dO (ROWS_*)."""
     chunk = tl.load(CHUNK_ORDER + tl.program_id(0))
     key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
     if key < NUM_KEYS:  # else a spare program past the last chunk
@@ -672,12 +687,8 @@ def _dkv_kernel(
             i, head, slot_offset, row_ok = _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL, NUM_SETS,
                                                        SEL_SHARED_HEADS, ROWS_PER_ENTRY)
             lse_rows = (z.to(tl.int64) * HQ + head) * N + i
-            if DENSE_ROWS:
-                q_rows = lse_rows * D
-                do_rows = q_rows
-            else:
-                q_rows = _strided_rows(z, head, i, stride_qz, stride_qh, stride_qn)
-                do_rows = _strided_rows(z, head, i, stride_doz, stride_doh, stride_don)
+            q_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_qz, stride_qh, stride_qn, Q_ROWS)
+            do_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_doz, stride_doh, stride_don, DO_ROWS)
             q = _load_tile(Q, q_rows, row_ok, offs_d, d_ok, stride_qd)
             do = _load_tile(DO, do_rows, row_ok, offs_d, d_ok, stride_dod)
             lse2 = _load_lse2(LSE, lse_rows, row_ok)
@@ -860,6 +871,15 @@ def _padded_head_dim(d: int) -> int:
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Allocation of every kernel output; tests replace it to fill outputs with NaN first."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _row_layout(t: torch.Tensor) -> int:
+    """The ROWS_* layout of ``t: [b, h, n, d]``."""
+    if t.is_contiguous():
+        return ROWS_HEADS_MAJOR.value
+    if t.transpose(1, 2).is_contiguous():
+        return ROWS_TOKENS_MAJOR.value
+    return ROWS_STRIDED.value
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -1105,7 +1125,8 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
                                                     "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
             ROWS_PER_ENTRY=rows_per_entry,
-            DENSE_ROWS=q.is_contiguous() and d_out.is_contiguous(),
+            Q_ROWS=_row_layout(q),
+            DO_ROWS=_row_layout(d_out),
             M=max(config.dkv_rows, rows_per_entry),
             CHUNK=config.dkv_chunk,
             DOT_PRECISION=_dot_precision(q.dtype),
