@@ -826,15 +826,15 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     tiles best in the forward and the dQ pass: a 16-row tile then needs no cross-warp
     reductions or barriers, and more programs fit on an SM. At 32 heads on 2 kv heads,
     n = 65536, window 512, bf16: forward 6.74 -> 5.98 ms (with 32-row window tiles of
-    32-key steps, what one warp holds; 5.18 ms with the window in a launch of its own,
+    32-key steps, what one warp holds; 5.13 ms with the window in a launch of its own,
     128-row tiles of 64-key steps, eight warps and three stages, the fastest of the
     shapes from 32 to 256 rows, 32 to 128 keys and 1 to 8 warps), dQ 4.88 -> 4.52 ms
     (16-key steps, three stages), the window's dK / dV 2.17 -> 2.09 ms (three stages),
     then 1.97 ms in 32-row steps of four stages (at d = 128, n = 32768: 1.80 -> 1.42 ms;
     32-row steps pay only in four stages, and 128-key tiles or a mask skipped in the
-    band's inner tiles did not). The selection's dK / dV pass
-    prefers short steps: 16 rows, except that groups of more than 8 heads (one entry per
-    16 rows) take two entries per step (5.47 -> 4.97 ms at 32 heads, n = 65536). At
+    band's inner tiles did not). The selection's dK / dV pass prefers short steps: 16
+    rows, except that groups of more than 8 heads (one entry per 16 rows) take two
+    entries per step (5.47 -> 4.97 ms at 32 heads, n = 65536). At
     d = 128 the dK / dV pass takes a third stage (config A at 32k: 6.70 -> 6.52 ms), the
     forward one only when the launch also runs window tiles, which stay in its launch
     there (launches of their own, 4 or 8 warps, ran 2.5%-20% slower at n = 32768).
