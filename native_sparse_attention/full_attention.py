@@ -50,13 +50,7 @@ class FullAttention(nn.Module):
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape [batch, seq_len, {self.dim}], got {tuple(x.shape)}")
         offset = 0 if cache is None else cache.seq_len
-        qkv = self.to_qkv(self.norm(x))
-        q, k, v = qkv.split(
-            (self.heads * self.dim_head, self.kv_heads * self.dim_head, self.kv_heads * self.dim_head), dim=-1
-        )
-        q = rearrange(q, "b n (h d) -> b h n d", h=self.heads)
-        k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.kv_heads) for t in (k, v))
-        q, k = self.rotary(q, offset), self.rotary(k, offset)
+        _, _, v, q, k = self.rotary.split_heads(self.to_qkv(self.norm(x)), self.heads, self.kv_heads, offset)
         if cache is not None:
             k = torch.cat((cache.keys, k), dim=2)
             v = torch.cat((cache.values, v), dim=2)

@@ -293,9 +293,8 @@ class SparseAttention(nn.Module):
         x_normed = self.norm(x)
         if fast:
             x_normed = _in_autocast_dtype(x_normed)
-        q, k, v = self._project(x_normed)
+        q, k, v, rq, rk = self._project(x_normed)
         ck, cv = self._compress(k, v)
-        rq, rk = self.rotary(q), self.rotary(k)
 
         if fast and self.use_triton_kernel and not self.use_diff_topk:
             out = self._kernel_gated_branches(x_normed, q, ck, cv, rq, rk, v)
@@ -328,15 +327,10 @@ class SparseAttention(nn.Module):
     def _use_fast_path(self, x: torch.Tensor) -> bool:
         return (self.use_triton_kernel or self.use_flex_attention) and x.is_cuda
 
-    def _project(self, x_normed: torch.Tensor):
-        """x_normed: [b, n, dim] -> q: [b, hq, n, d], k, v: [b, hk, n, d] (no rotary)."""
-        qkv = self.to_qkv(x_normed)
-        q, k, v = qkv.split(
-            (self.heads * self.dim_head, self.kv_heads * self.dim_head, self.kv_heads * self.dim_head), dim=-1
-        )
-        q = rearrange(q, "b n (h d) -> b h n d", h=self.heads)
-        k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.kv_heads) for t in (k, v))
-        return q, k, v
+    def _project(self, x_normed: torch.Tensor, offset: int = 0):
+        """x_normed: [b, n, dim] at positions ``offset ..`` -> q: [b, hq, n, d], k, v: [b, hk, n, d]
+        and the rotary embeddings rq of q and rk of k."""
+        return self.rotary.split_heads(self.to_qkv(x_normed), self.heads, self.kv_heads, offset)
 
     def _compress_windows(self, k_windows: torch.Tensor, v_windows: torch.Tensor):
         """k_windows, v_windows: [b, hk, w, compress_block_size, d] -> ck, cv: [b, hk, w, d]."""
@@ -526,8 +520,7 @@ class SparseAttention(nn.Module):
         self._check_cache(x, cache)
         position = cache.seq_len
         x_normed = self.norm(x)
-        q, k, v = self._project(x_normed)
-        rq, rk = self.rotary(q, offset=position), self.rotary(k, offset=position)
+        q, k, v, rq, rk = self._project(x_normed, offset=position)
         keys = torch.cat((cache.keys, rk), dim=2)
         values = torch.cat((cache.values, v), dim=2)
 

@@ -1,5 +1,5 @@
-"""The fused rotary kernel against the PyTorch rotary embedding in float64: forward and
-gradient.
+"""The fused rotary kernels against the PyTorch rotary embedding in float64: forward and
+gradient of ``apply_rotary`` and of ``split_heads_and_rotate``.
 
 Without CUDA the kernel runs under the Triton interpreter (set up in conftest.py) on
 float32 and float16 inputs; its output starts as NaN, so an element it forgets to write
@@ -13,7 +13,7 @@ import torch
 from einops import rearrange
 
 from native_sparse_attention.kernels import rotary as rotary_kernels
-from native_sparse_attention.kernels.rotary import apply_rotary
+from native_sparse_attention.kernels.rotary import apply_rotary, split_heads_and_rotate
 from native_sparse_attention.rotary import RotaryEmbedding
 
 CUDA = torch.cuda.is_available()
@@ -99,13 +99,66 @@ def test_matches_pytorch_rotary_at_layer_size(dtype, offset):
     check_against_float64(1, 32, 8192, 64, offset, dtype)
 
 
+SPLIT_OUTPUTS = ("q", "k", "v", "rq", "rk")
+
+
+def check_split_against_float64(b, n, heads, kv_heads, d, offset, dtype, used, seed=0):
+    """``used``: the outputs that the loss reads; the others' gradients are None, which
+    the kernel must treat as zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, n, (heads + 2 * kv_heads) * d, generator=gen).to(DEVICE, dtype).requires_grad_()
+    rotary = RotaryEmbedding(d).to(DEVICE)
+    outputs = split_heads_and_rotate(qkv, heads, kv_heads, rotary.inv_freq, offset)
+    qkv64 = qkv.detach().double().requires_grad_()
+    expected = rotary.split_heads(qkv64, heads, kv_heads, offset)
+
+    atol, rtol = TOLERANCES[dtype]
+    for name, out, reference in zip(SPLIT_OUTPUTS, outputs, expected):
+        assert out.shape == reference.shape and out.dtype == dtype, name
+        torch.testing.assert_close(out.double(), reference, atol=atol, rtol=rtol, msg=name)
+    for view in outputs[:3]:
+        assert view.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+
+    douts = [torch.randn(out.shape, generator=gen).to(DEVICE, dtype) for out in outputs]
+    picked = [SPLIT_OUTPUTS.index(name) for name in used]
+    (grad,) = torch.autograd.grad([outputs[i] for i in picked], qkv, [douts[i] for i in picked])
+    (grad64,) = torch.autograd.grad([expected[i] for i in picked], qkv64,
+                                    [douts[i].double() for i in picked])
+    assert grad.dtype == dtype and grad.is_contiguous()
+    torch.testing.assert_close(grad.double(), grad64, atol=atol, rtol=rtol)
+
+
+# All outputs used (the sparse layer), only v and the rotated ones (the dense layer), and
+# a lone query view whose key and value columns must come back as zeros; 9 query heads
+# fill one program and part of another; a decoding step far into the sequence.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b, n, heads, kv_heads, d, offset, used", [
+    (2, 77, 4, 2, 32, 0, SPLIT_OUTPUTS),
+    (1, 45, 9, 3, 16, 40_000, ("v", "rq", "rk")),
+    (2, 70, 2, 1, 8, 3, ("q",)),
+    (2, 1, 4, 1, 64, 65_535, SPLIT_OUTPUTS),
+])
+def test_split_heads_and_rotate_matches_pytorch(b, n, heads, kv_heads, d, offset, used, dtype):
+    check_split_against_float64(b, n, heads, kv_heads, d, offset, dtype, used)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_split_heads_and_rotate_at_layer_size(dtype):
+    check_split_against_float64(1, 8192, 32, 2, 64, 0, dtype, SPLIT_OUTPUTS)
+
+
 def test_cpu_tensors_take_the_pytorch_path(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("the rotary kernel ran on a CPU tensor")
 
     monkeypatch.setattr(rotary_kernels, "apply_rotary", no_kernel)
+    monkeypatch.setattr(rotary_kernels, "split_heads_and_rotate", no_kernel)
     t = torch.randn(1, 2, 5, 8)
     assert RotaryEmbedding(8)(t, offset=3).shape == t.shape
+    shapes = [out.shape for out in RotaryEmbedding(8).split_heads(torch.randn(1, 5, 32), 2, 1)]
+    assert shapes == [(1, 2, 5, 8), (1, 1, 5, 8), (1, 1, 5, 8), (1, 2, 5, 8), (1, 1, 5, 8)]
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -120,3 +173,19 @@ def test_rejects_invalid_arguments(change, error, message):
     inv_freq = torch.ones(change.get("freqs", d // 2), device=DEVICE)
     with pytest.raises(error, match=message):
         apply_rotary(t, inv_freq, change.get("offset", 0))
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(width=30), ValueError, "even d"),
+    (dict(dtype=torch.float64), ValueError, "float16"),
+    (dict(freqs=3), ValueError, "inv_freq"),
+    (dict(heads=0), ValueError, "positive"),
+    (dict(kv_heads=1.0), TypeError, "kv_heads"),
+    (dict(offset=True), TypeError, "offset"),
+])
+def test_split_heads_and_rotate_rejects_invalid_arguments(change, error, message):
+    qkv = torch.zeros(1, 3, change.get("width", 32), dtype=change.get("dtype", torch.float32), device=DEVICE)
+    inv_freq = torch.ones(change.get("freqs", 4), device=DEVICE)
+    with pytest.raises(error, match=message):
+        split_heads_and_rotate(qkv, change.get("heads", 2), change.get("kv_heads", 1), inv_freq,
+                               change.get("offset", 0))

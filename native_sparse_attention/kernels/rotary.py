@@ -18,6 +18,17 @@ Against the PyTorch path (a float32 copy of T, four products, two sums, a concat
 and a cast back, each a full pass over T, and as many again in the backward) this reads
 T once and writes OUT once. ``a`` reaches about p radians: it is reduced to [-pi, pi] in
 float64 first, since the float32 sine and cosine lose accuracy far from zero.
+
+Split heads (``split_heads_and_rotate``): the layers' q, k and v are head-splitting views
+of one projection ``QKV: [Z, N, (HQ + 2 * HKV) * D]``, and q and k are also rotated.
+HQ, HKV: query / key-value heads; the projection's columns hold HQ query heads, then
+HKV key heads, then HKV value heads, D each. The gradient of QKV sums, per head, the
+gradient of the plain view (dQ, dK, dV) and the inverse rotation of the rotated copy's
+(dRQ, dRK). ``_qkv_grad_kernel`` writes it in one pass, where autograd would rotate dRQ
+back into a tensor of its own, then add it to dQ while concatenating the heads into DQKV.
+In the compiled NSA layer at 32 / 2 heads of 64, n = 65536 on an H100 it takes 0.33 ms
+(about 2.7 TB/s) in place of 0.22 ms of inverse rotations and Inductor's 0.69 ms
+concatenation.
 """
 
 from __future__ import annotations
@@ -30,8 +41,9 @@ import triton
 import triton.language as tl
 
 from native_sparse_attention.kernels.library import is_tokens_major, launcher_op, new_heads_tensor
+from native_sparse_attention.rotary import split_qkv_heads
 
-__all__ = ["apply_rotary"]
+__all__ = ["apply_rotary", "split_heads_and_rotate"]
 
 _TWO_PI = tl.constexpr(2 * math.pi)
 _INV_TWO_PI = tl.constexpr(1 / (2 * math.pi))
@@ -92,6 +104,77 @@ def _rotary_kernel(
                             BLOCK_N, BLOCK_HALF, HALF)
         tl.store(OUT + dst, (first * cos - second * sin).to(OUT.dtype.element_ty), mask=mask)
         tl.store(OUT + dst + HALF, (first * sin + second * cos).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _head_grad(PLAIN, ROTATED, OUT, z, h, out_col, n_start, cos, sin, N,
+               stride_pz, stride_ph, stride_pn, stride_rz, stride_rh, stride_rn, stride_on,
+               HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               HAS_PLAIN: tl.constexpr, HAS_ROTATED: tl.constexpr):
+    """OUT's column block ``out_col`` of the program's tokens: PLAIN's head ``[z, h]`` plus
+    ROTATED's, rotated by the angles whose ``cos`` and ``sin`` are given."""
+    first = tl.zeros([BLOCK_N, BLOCK_HALF], dtype=tl.float32)
+    second = tl.zeros([BLOCK_N, BLOCK_HALF], dtype=tl.float32)
+    if HAS_ROTATED:
+        src, mask = _half_rows(z, h, n_start, stride_rz, stride_rh, stride_rn, 1, N,
+                               BLOCK_N, BLOCK_HALF, HALF)
+        rotated_first = tl.load(ROTATED + src, mask=mask).to(tl.float32)
+        rotated_second = tl.load(ROTATED + src + HALF, mask=mask).to(tl.float32)
+        first = rotated_first * cos - rotated_second * sin
+        second = rotated_first * sin + rotated_second * cos
+    if HAS_PLAIN:
+        src, mask = _half_rows(z, h, n_start, stride_pz, stride_ph, stride_pn, 1, N,
+                               BLOCK_N, BLOCK_HALF, HALF)
+        first += tl.load(PLAIN + src, mask=mask).to(tl.float32)
+        second += tl.load(PLAIN + src + HALF, mask=mask).to(tl.float32)
+    dst, mask = _half_rows(z, 0, n_start, tl.cast(N, tl.int64) * stride_on, 0, stride_on, 1, N,
+                           BLOCK_N, BLOCK_HALF, HALF)
+    dst += out_col * (2 * HALF)
+    tl.store(OUT + dst, first.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + dst + HALF, second.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qkv_grad_kernel(
+    DQ, DRQ, DK, DRK, DV, DQKV, INV_FREQ,
+    stride_qz, stride_qh, stride_qn, stride_rqz, stride_rqh, stride_rqn,
+    stride_kz, stride_kh, stride_kn, stride_rkz, stride_rkh, stride_rkn,
+    stride_vz, stride_vh, stride_vn,
+    HQ, HKV, N, offset,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr, HEADS: tl.constexpr,
+    HAS_DQ: tl.constexpr, HAS_DRQ: tl.constexpr, HAS_DK: tl.constexpr, HAS_DRK: tl.constexpr,
+    HAS_DV: tl.constexpr,
+):
+    # DQ, DRQ: [Z, HQ, N, D]; DK, DRK, DV: [Z, HKV, N, D], each with unit stride along D
+    # (absent where its HAS_ flag is off); DQKV: [Z, N, (HQ + 2 * HKV) * D] contiguous.
+    # Axis 1 walks, per batch, the groups of HEADS query heads, then of key heads, then
+    # of value heads: a program's heads are all of one kind.
+    n_start = tl.program_id(0) * BLOCK_N
+    q_groups = tl.cdiv(HQ, HEADS)
+    kv_groups = tl.cdiv(HKV, HEADS)
+    groups = q_groups + 2 * kv_groups
+    z = tl.program_id(1) // groups
+    group = tl.program_id(1) % groups
+    stride_on = (HQ + 2 * HKV) * 2 * HALF
+    cos, sin = _cos_sin(INV_FREQ, offset, n_start, BLOCK_N, BLOCK_HALF, HALF, INVERSE=True)
+    if group < q_groups:
+        h_start = group * HEADS
+        for h in range(h_start, tl.minimum(h_start + HEADS, HQ)):
+            _head_grad(DQ, DRQ, DQKV, z, h, h, n_start, cos, sin, N,
+                       stride_qz, stride_qh, stride_qn, stride_rqz, stride_rqh, stride_rqn, stride_on,
+                       HALF, BLOCK_N, BLOCK_HALF, HAS_DQ, HAS_DRQ)
+    elif group < q_groups + kv_groups:
+        h_start = (group - q_groups) * HEADS
+        for h in range(h_start, tl.minimum(h_start + HEADS, HKV)):
+            _head_grad(DK, DRK, DQKV, z, h, HQ + h, n_start, cos, sin, N,
+                       stride_kz, stride_kh, stride_kn, stride_rkz, stride_rkh, stride_rkn, stride_on,
+                       HALF, BLOCK_N, BLOCK_HALF, HAS_DK, HAS_DRK)
+    else:
+        h_start = (group - q_groups - kv_groups) * HEADS
+        for h in range(h_start, tl.minimum(h_start + HEADS, HKV)):
+            _head_grad(DV, DV, DQKV, z, h, HQ + HKV + h, n_start, cos, sin, N,
+                       stride_vz, stride_vh, stride_vn, 0, 0, 0, stride_on,
+                       HALF, BLOCK_N, BLOCK_HALF, HAS_DV, False)
 
 
 _BLOCK_N = 64
@@ -168,3 +251,96 @@ def apply_rotary(t: torch.Tensor, inv_freq: torch.Tensor, offset: int = 0) -> to
         raise ValueError(f"inv_freq must be [d / 2] = [{t.shape[-1] // 2}] on {t.device}, got "
                          f"{tuple(inv_freq.shape)} on {inv_freq.device}")
     return _Rotary.apply(t, inv_freq.float().contiguous(), int(offset))
+
+
+def _head_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if t is None else t.stride()[:3]
+
+
+def _unit_stride_d(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _fake_qkv_grad(dq, drq, dk, drk, dv, inv_freq, offset, batch, seq_len, heads, kv_heads, dtype):
+    width = (heads + 2 * kv_heads) * 2 * inv_freq.shape[0]
+    return inv_freq.new_empty((batch, seq_len, width), dtype=dtype)
+
+
+@launcher_op("qkv_grad", _fake_qkv_grad)
+def _qkv_grad(dq: torch.Tensor | None, drq: torch.Tensor | None, dk: torch.Tensor | None,
+              drk: torch.Tensor | None, dv: torch.Tensor | None, inv_freq: torch.Tensor,
+              offset: int, batch: int, seq_len: int, heads: int, kv_heads: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The gradient ``[b, n, (hq + 2 * hk) * d]`` of the projection that
+    ``split_heads_and_rotate`` split, of dtype ``dtype``: dq, drq: [b, hq, n, d],
+    dk, drk, dv: [b, hk, n, d] (any strides; None where the gradient is zero)."""
+    half = inv_freq.shape[0]
+    out = _empty((batch, seq_len, (heads + 2 * kv_heads) * 2 * half), dtype, inv_freq.device)
+    if out.numel() == 0:
+        return out
+    dq, drq, dk, drk, dv = (_unit_stride_d(t) for t in (dq, drq, dk, drk, dv))
+    groups = triton.cdiv(heads, _HEADS_PER_PROGRAM) + 2 * triton.cdiv(kv_heads, _HEADS_PER_PROGRAM)
+    grid = (triton.cdiv(seq_len, _BLOCK_N), batch * groups)
+    _qkv_grad_kernel[grid](
+        dq, drq, dk, drk, dv, out, inv_freq,
+        *_head_strides(dq), *_head_strides(drq), *_head_strides(dk), *_head_strides(drk),
+        *_head_strides(dv),
+        heads, kv_heads, seq_len, offset,
+        HALF=half, BLOCK_N=_BLOCK_N, BLOCK_HALF=triton.next_power_of_2(half),
+        HEADS=_HEADS_PER_PROGRAM, HAS_DQ=dq is not None, HAS_DRQ=drq is not None,
+        HAS_DK=dk is not None, HAS_DRK=drk is not None, HAS_DV=dv is not None,
+    )
+    return out
+
+
+class _SplitRotate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, inv_freq, heads, kv_heads, offset):
+        ctx.save_for_backward(inv_freq)
+        ctx.heads, ctx.kv_heads, ctx.offset = heads, kv_heads, offset
+        ctx.batch, ctx.seq_len, ctx.dtype = qkv.shape[0], qkv.shape[1], qkv.dtype
+        # Gradients of outputs that the caller never used arrive as None, and the kernel
+        # skips them, rather than as zero tensors it would have to read.
+        ctx.set_materialize_grads(False)
+        q, k, v = split_qkv_heads(qkv, heads, kv_heads)
+        rq = _rotate(q, inv_freq, offset, inverse=False, tokens_major=False)
+        rk = _rotate(k, inv_freq, offset, inverse=False, tokens_major=False)
+        return q, k, v, rq, rk
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv, drq, drk):
+        (inv_freq,) = ctx.saved_tensors
+        dqkv = _qkv_grad(dq, drq, dk, drk, dv, inv_freq, ctx.offset, ctx.batch, ctx.seq_len,
+                         ctx.heads, ctx.kv_heads, ctx.dtype)
+        return dqkv, None, None, None, None
+
+
+def split_heads_and_rotate(qkv: torch.Tensor, heads: int, kv_heads: int, inv_freq: torch.Tensor,
+                           offset: int = 0):
+    """Splits the projection ``qkv: [b, n, (heads + 2 * kv_heads) * d]`` (query heads, then
+    key heads, then value heads) into heads and rotates the queries and keys.
+
+    Returns ``(q, k, v, rq, rk)``: q: [b, heads, n, d], k, v: [b, kv_heads, n, d], views of
+    qkv; rq, rk: contiguous rotary embeddings of q and k at positions
+    ``offset .. offset + n - 1``, as ``apply_rotary`` computes them. The gradient of qkv
+    is written by one kernel, in qkv's dtype (float16, bfloat16 or float32); inv_freq:
+    [d / 2]. Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
+    """
+    if not isinstance(qkv, torch.Tensor) or not isinstance(inv_freq, torch.Tensor):
+        raise TypeError(f"qkv and inv_freq must be torch.Tensors, got {type(qkv).__name__} and "
+                        f"{type(inv_freq).__name__}")
+    for name, value in (("heads", heads), ("kv_heads", kv_heads), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if heads < 1 or kv_heads < 1:
+        raise ValueError(f"heads and kv_heads must be positive, got {heads} and {kv_heads}")
+    if qkv.ndim != 3 or qkv.shape[-1] % (2 * (heads + 2 * kv_heads)):
+        raise ValueError(f"qkv must be [b, n, (heads + 2 * kv_heads) * d] with an even d, for "
+                         f"heads={heads}, kv_heads={kv_heads}; got shape {tuple(qkv.shape)}")
+    if qkv.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"qkv must be float16, bfloat16 or float32, got {qkv.dtype}")
+    half = qkv.shape[-1] // (heads + 2 * kv_heads) // 2
+    if inv_freq.shape != (half,) or inv_freq.device != qkv.device:
+        raise ValueError(f"inv_freq must be [d / 2] = [{half}] on {qkv.device}, got "
+                         f"{tuple(inv_freq.shape)} on {inv_freq.device}")
+    return _SplitRotate.apply(qkv, inv_freq.float().contiguous(), int(heads), int(kv_heads), int(offset))
