@@ -50,7 +50,7 @@ class FullAttention(nn.Module):
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape [batch, seq_len, {self.dim}], got {tuple(x.shape)}")
         offset = 0 if cache is None else cache.seq_len
-        _, _, v, q, k = self.rotary.split_heads(self.to_qkv(self.norm(x)), self.heads, self.kv_heads, offset)
+        _, _, v, q, k, _ = self.rotary.split_heads(self.to_qkv(self.norm(x)), self.heads, self.kv_heads, offset)
         if cache is not None:
             k = torch.cat((cache.keys, k), dim=2)
             v = torch.cat((cache.values, v), dim=2)

@@ -9,14 +9,15 @@ from torch import nn
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def split_qkv_heads(qkv: torch.Tensor, heads: int, kv_heads: int):
-    """qkv: [b, n, (heads + 2 * kv_heads) * d], query heads, then key heads, then value
-    heads -> views q: [b, heads, n, d], k, v: [b, kv_heads, n, d]."""
-    dim_head = qkv.shape[-1] // (heads + 2 * kv_heads)
-    q, k, v = qkv.split((heads * dim_head, kv_heads * dim_head, kv_heads * dim_head), dim=-1)
+def split_qkv_heads(qkv: torch.Tensor, heads: int, kv_heads: int, dim_head: int):
+    """qkv: [b, n, (heads + 2 * kv_heads) * dim_head + e]: query heads, key heads, value
+    heads, e other columns -> views q: [b, heads, n, d], k, v: [b, kv_heads, n, d], rest: [b, n, e]."""
+    kv_width = kv_heads * dim_head
+    q, k, v, rest = qkv.split((heads * dim_head, kv_width, kv_width, qkv.shape[-1] - heads * dim_head - 2 * kv_width),
+                              dim=-1)
     q = rearrange(q, "b n (h d) -> b h n d", h=heads)
     k, v = (rearrange(t, "b n (h d) -> b h n d", h=kv_heads) for t in (k, v))
-    return q, k, v
+    return q, k, v, rest
 
 
 class RotaryEmbedding(nn.Module):
@@ -33,19 +34,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def split_heads(self, qkv: torch.Tensor, heads: int, kv_heads: int, offset: int = 0):
-        """Splits the projection ``qkv: [b, n, (heads + 2 * kv_heads) * d]`` (query heads,
-        then key heads, then value heads) into q: [b, heads, n, d], k, v: [b, kv_heads, n, d]
-        and rotates q and k; returns ``(q, k, v, rotary(q), rotary(k))``.
+        """Splits the projection ``qkv: [b, n, (heads + 2 * kv_heads) * d + e]`` (query heads,
+        then key heads, then value heads, then e >= 0 other columns) into q: [b, heads, n, d],
+        k, v: [b, kv_heads, n, d] and rest: [b, n, e], and rotates q and k; returns
+        ``(q, k, v, rotary(q), rotary(k), rest)``.
 
         On CUDA one kernel writes qkv's whole gradient, where autograd would rotate the
-        rotated copies' gradients back and then concatenate the heads in a pass of its own.
+        rotated copies' gradients back and then concatenate the pieces in a pass of its own.
         """
         if qkv.is_cuda and qkv.dtype in _KERNEL_DTYPES:
             from native_sparse_attention.kernels.rotary import split_heads_and_rotate
 
             return split_heads_and_rotate(qkv, heads, kv_heads, self.inv_freq, offset)
-        q, k, v = split_qkv_heads(qkv, heads, kv_heads)
-        return q, k, v, self(q, offset), self(k, offset)
+        q, k, v, rest = split_qkv_heads(qkv, heads, kv_heads, 2 * self.inv_freq.shape[0])
+        return q, k, v, self(q, offset), self(k, offset), rest
 
     def forward(self, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """t: [b, h, n, d] at positions ``offset .. offset + n - 1`` -> rotated [b, h, n, d]."""

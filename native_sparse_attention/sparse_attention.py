@@ -25,6 +25,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from einops.layers.torch import Rearrange
 from torch import nn
@@ -293,11 +294,11 @@ class SparseAttention(nn.Module):
         x_normed = self.norm(x)
         if fast:
             x_normed = _in_autocast_dtype(x_normed)
-        q, k, v, rq, rk = self._project(x_normed)
+        q, k, v, rq, rk, gates = self._project(x_normed)
         ck, cv = self._compress(k, v)
 
         if fast and self.use_triton_kernel and not self.use_diff_topk:
-            out = self._kernel_gated_branches(x_normed, q, ck, cv, rq, rk, v)
+            out = self._kernel_gated_branches(gates, q, ck, cv, rq, rk, v)
         else:
             if fast:
                 compressed_out, selection = self._kernel_compressed_branch(q, ck, cv)
@@ -307,7 +308,7 @@ class SparseAttention(nn.Module):
                 compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
                 selected_out = self._selected_branch(rq, rk, v, selection, q_offset=0)
                 sliding_out, _ = sliding_window_attend(rq, rk, v, self.sliding_window_size, self.causal)
-            out = self._combine(x_normed, compressed_out, selected_out, sliding_out, fused=fast)
+            out = self._combine(gates, compressed_out, selected_out, sliding_out, fused=fast)
         if not return_cache:
             return out
         return out, self._prefill_cache(rk, v, k, ck, cv)
@@ -327,10 +328,27 @@ class SparseAttention(nn.Module):
     def _use_fast_path(self, x: torch.Tensor) -> bool:
         return (self.use_triton_kernel or self.use_flex_attention) and x.is_cuda
 
-    def _project(self, x_normed: torch.Tensor, offset: int = 0):
-        """x_normed: [b, n, dim] at positions ``offset ..`` -> q: [b, hq, n, d], k, v: [b, hk, n, d]
-        and the rotary embeddings rq of q and rk of k."""
-        return self.rotary.split_heads(self.to_qkv(x_normed), self.heads, self.kv_heads, offset)
+    def _project(self, x_normed: torch.Tensor, offset: int = 0, fold_gates: bool = True):
+        """x_normed: [b, n, dim] at positions ``offset ..`` -> q: [b, hq, n, d], k, v: [b, hk, n, d],
+        the rotary embeddings rq of q and rk of k, and the branches' gates [3, b, hq, n].
+
+        ``fold_gates``: a plain linear gate projection (the default one) shares the qkv
+        matmul, which then reads x_normed once each way instead of twice and spares two
+        small matmuls and a sum of their input gradients. Decoding steps keep separate
+        matmuls: folded, every token would concatenate the weights anew.
+        """
+        gate_projection = self.to_gates[0]
+        fold_gates = fold_gates and type(gate_projection) is nn.Linear
+        if fold_gates:
+            projection = F.linear(x_normed, torch.cat((self.to_qkv.weight, gate_projection.weight)))
+        else:
+            projection = self.to_qkv(x_normed)
+        q, k, v, rq, rk, logits = self.rotary.split_heads(projection, self.heads, self.kv_heads, offset)
+        if not fold_gates:
+            logits = gate_projection(x_normed)
+        elif gate_projection.bias is not None:
+            logits = logits + gate_projection.bias.to(logits.dtype)
+        return q, k, v, rq, rk, self._gates(logits)
 
     def _compress_windows(self, k_windows: torch.Tensor, v_windows: torch.Tensor):
         """k_windows, v_windows: [b, hk, w, compress_block_size, d] -> ck, cv: [b, hk, w, d]."""
@@ -435,7 +453,7 @@ class SparseAttention(nn.Module):
             self.sliding_window_size, causal=self.causal, sel_scale=self._selection_scale(selection),
         )
 
-    def _kernel_gated_branches(self, x_normed, q, ck, cv, rq, rk, v) -> torch.Tensor:
+    def _kernel_gated_branches(self, gates, q, ck, cv, rq, rk, v) -> torch.Tensor:
         """The Triton path when the selection scores need no gradient: the three branches
         and their gated sum as one autograd node, whose backward folds the gates into the
         branches' instead of writing a gated output gradient per branch
@@ -449,25 +467,27 @@ class SparseAttention(nn.Module):
                               self.selection_block_size, self.num_selected_blocks, self.share_selection)
         selection_options = (self.selection_block_size, self.causal, self.sliding_window_size, scale)
         merged, selection = gated_branches(
-            self._gates(x_normed), q, ck_all, cv_all, rq, rk, v, compressed_options, selection_options
+            gates, q, ck_all, cv_all, rq, rk, v, compressed_options, selection_options
         )
         if self.recorder is not None:
             self._record(selected_indices=selection.indices, selected_mask=selection.mask)
         return self.to_out(merged)
 
-    def _gates(self, x_normed: torch.Tensor) -> torch.Tensor:
-        """x_normed: [b, n, dim] -> the branches' gates [3, b, h, n] (compressed, selected, sliding)."""
-        gates = self.to_gates(x_normed).squeeze(-1)
+    def _gates(self, logits: torch.Tensor) -> torch.Tensor:
+        """The gate logits [b, n, 3 * h] -> the branches' gates [3, b, h, n] (compressed,
+        selected, sliding)."""
+        _, to_branches_first, sigmoid = self.to_gates
+        gates = sigmoid(to_branches_first(logits)).squeeze(-1)
         if self.recorder is not None:
             self._record(gates=gates)
         return gates
 
-    def _combine(self, x_normed, compressed_out, selected_out, sliding_out, fused: bool = False) -> torch.Tensor:
-        """Gate and sum the branch outputs ([b, hq, n, d] each), merge heads, project.
+    def _combine(self, gates, compressed_out, selected_out, sliding_out, fused: bool = False) -> torch.Tensor:
+        """Gate ([3, b, hq, n]) and sum the branch outputs ([b, hq, n, d] each), merge heads,
+        project.
 
         ``fused`` does it in one Triton kernel that writes the merged heads directly.
         """
-        gates = self._gates(x_normed)
         if fused:
             from native_sparse_attention.kernels.gate_combine import gated_sum
 
@@ -520,7 +540,7 @@ class SparseAttention(nn.Module):
         self._check_cache(x, cache)
         position = cache.seq_len
         x_normed = self.norm(x)
-        q, k, v, rq, rk = self._project(x_normed, offset=position)
+        q, k, v, rq, rk, gates = self._project(x_normed, offset=position, fold_gates=False)
         keys = torch.cat((cache.keys, rk), dim=2)
         values = torch.cat((cache.values, v), dim=2)
 
@@ -532,7 +552,7 @@ class SparseAttention(nn.Module):
         sliding_out, _ = sliding_window_attend(
             rq, keys, values, self.sliding_window_size, causal=True, q_offset=position
         )
-        out = self._combine(x_normed, compressed_out, selected_out, sliding_out)
+        out = self._combine(gates, compressed_out, selected_out, sliding_out)
         return out, self._advance_cache(cache, keys, values, k, v)
 
     def _advance_cache(self, cache, keys, values, k, v) -> SparseAttentionCache:

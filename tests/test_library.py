@@ -70,8 +70,9 @@ def test_rotary_and_gate_operators():
                               test_utils=CHECKS)
     inv_freq = torch.rand(8, device=DEVICE)
     dq, drq, dk, drk, dv = t, _randn(1, 2, 20, 16), None, _randn(1, 1, 20, 16), _randn(1, 1, 20, 16)
-    torch.library.opcheck(OPS.qkv_grad, (dq, drq, dk, drk, dv, inv_freq, 3, 1, 20, 2, 1, torch.float32),
-                          test_utils=CHECKS)
+    for drest, width in ((None, 64), (_randn(1, 20, 5), 69)):
+        torch.library.opcheck(OPS.qkv_grad, (dq, drq, dk, drk, dv, drest, inv_freq, 3, 1, 20, 2, 1, width,
+                                             torch.float32), test_utils=CHECKS)
     gates, branches = torch.rand(3, 1, 2, 20, device=DEVICE), [_randn(1, 2, 20, 16) for _ in range(3)]
     torch.library.opcheck(OPS.gated_sum, (gates, *branches), test_utils=CHECKS)
     torch.library.opcheck(OPS.gated_sum_backward, (gates, *branches, _randn(1, 20, 32)), test_utils=CHECKS)
@@ -80,12 +81,12 @@ def test_rotary_and_gate_operators():
 def test_split_heads_and_rotate_compiles_to_one_graph():
     """q, k and v come back as views of the projection from inside an autograd.Function;
     compiled, the Function must stay one graph and give eager's values and gradient."""
-    qkv = _randn(2, 30, 4 * 16)
+    qkv = _randn(2, 30, 4 * 16 + 6)
     inv_freq = torch.rand(8, device=DEVICE)
 
     def loss(qkv):
-        q, k, v, rq, rk = rotary.split_heads_and_rotate(qkv, 2, 1, inv_freq, 5)
-        return (q * rq).sum() + (k * rk * v).sum()
+        q, k, v, rq, rk, rest = rotary.split_heads_and_rotate(qkv, 2, 1, inv_freq, 5)
+        return (q * rq).sum() + (k * rk * v).sum() + rest.sigmoid().sum()
 
     results = []
     for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):

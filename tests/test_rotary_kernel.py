@@ -99,14 +99,14 @@ def test_matches_pytorch_rotary_at_layer_size(dtype, offset):
     check_against_float64(1, 32, 8192, 64, offset, dtype)
 
 
-SPLIT_OUTPUTS = ("q", "k", "v", "rq", "rk")
+SPLIT_OUTPUTS = ("q", "k", "v", "rq", "rk", "rest")
 
 
-def check_split_against_float64(b, n, heads, kv_heads, d, offset, dtype, used, seed=0):
-    """``used``: the outputs that the loss reads; the others' gradients are None, which
-    the kernel must treat as zeros."""
+def check_split_against_float64(b, n, heads, kv_heads, d, rest, offset, dtype, used, seed=0):
+    """``rest``: the projection's columns past the heads; ``used``: the outputs that the
+    loss reads, the others' gradients are None, which the kernel must treat as zeros."""
     gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(b, n, (heads + 2 * kv_heads) * d, generator=gen).to(DEVICE, dtype).requires_grad_()
+    qkv = torch.randn(b, n, (heads + 2 * kv_heads) * d + rest, generator=gen).to(DEVICE, dtype).requires_grad_()
     rotary = RotaryEmbedding(d).to(DEVICE)
     outputs = split_heads_and_rotate(qkv, heads, kv_heads, rotary.inv_freq, offset)
     qkv64 = qkv.detach().double().requires_grad_()
@@ -116,7 +116,7 @@ def check_split_against_float64(b, n, heads, kv_heads, d, offset, dtype, used, s
     for name, out, reference in zip(SPLIT_OUTPUTS, outputs, expected):
         assert out.shape == reference.shape and out.dtype == dtype, name
         torch.testing.assert_close(out.double(), reference, atol=atol, rtol=rtol, msg=name)
-    for view in outputs[:3]:
+    for view in (*outputs[:3], outputs[5]):
         assert view.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
 
     douts = [torch.randn(out.shape, generator=gen).to(DEVICE, dtype) for out in outputs]
@@ -128,25 +128,26 @@ def check_split_against_float64(b, n, heads, kv_heads, d, offset, dtype, used, s
     torch.testing.assert_close(grad.double(), grad64, atol=atol, rtol=rtol)
 
 
-# All outputs used (the sparse layer), only v and the rotated ones (the dense layer), and
-# a lone query view whose key and value columns must come back as zeros; 9 query heads
-# fill one program and part of another; a decoding step far into the sequence.
+# All outputs used with rest columns in several tiles (the sparse layer's gate logits), only
+# v and the rotated ones (the dense layer), and a lone query view whose other columns must
+# come back as zeros; 9 query heads fill one program and part of another; a decoding step
+# far into the sequence.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("b, n, heads, kv_heads, d, offset, used", [
-    (2, 77, 4, 2, 32, 0, SPLIT_OUTPUTS),
-    (1, 45, 9, 3, 16, 40_000, ("v", "rq", "rk")),
-    (2, 70, 2, 1, 8, 3, ("q",)),
-    (2, 1, 4, 1, 64, 65_535, SPLIT_OUTPUTS),
+@pytest.mark.parametrize("b, n, heads, kv_heads, d, rest, offset, used", [
+    (2, 77, 4, 2, 32, 150, 0, SPLIT_OUTPUTS),
+    (1, 45, 9, 3, 16, 0, 40_000, ("v", "rq", "rk")),
+    (2, 70, 2, 1, 8, 6, 3, ("q",)),
+    (2, 1, 4, 1, 64, 12, 65_535, SPLIT_OUTPUTS),
 ])
-def test_split_heads_and_rotate_matches_pytorch(b, n, heads, kv_heads, d, offset, used, dtype):
-    check_split_against_float64(b, n, heads, kv_heads, d, offset, dtype, used)
+def test_split_heads_and_rotate_matches_pytorch(b, n, heads, kv_heads, d, rest, offset, used, dtype):
+    check_split_against_float64(b, n, heads, kv_heads, d, rest, offset, dtype, used)
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_split_heads_and_rotate_at_layer_size(dtype):
-    check_split_against_float64(1, 8192, 32, 2, 64, 0, dtype, SPLIT_OUTPUTS)
+    check_split_against_float64(1, 8192, 32, 2, 64, 96, 0, dtype, SPLIT_OUTPUTS)
 
 
 def test_cpu_tensors_take_the_pytorch_path(monkeypatch):
@@ -157,8 +158,8 @@ def test_cpu_tensors_take_the_pytorch_path(monkeypatch):
     monkeypatch.setattr(rotary_kernels, "split_heads_and_rotate", no_kernel)
     t = torch.randn(1, 2, 5, 8)
     assert RotaryEmbedding(8)(t, offset=3).shape == t.shape
-    shapes = [out.shape for out in RotaryEmbedding(8).split_heads(torch.randn(1, 5, 32), 2, 1)]
-    assert shapes == [(1, 2, 5, 8), (1, 1, 5, 8), (1, 1, 5, 8), (1, 2, 5, 8), (1, 1, 5, 8)]
+    shapes = [out.shape for out in RotaryEmbedding(8).split_heads(torch.randn(1, 5, 35), 2, 1)]
+    assert shapes == [(1, 2, 5, 8), (1, 1, 5, 8), (1, 1, 5, 8), (1, 2, 5, 8), (1, 1, 5, 8), (1, 5, 3)]
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -176,9 +177,9 @@ def test_rejects_invalid_arguments(change, error, message):
 
 
 @pytest.mark.parametrize("change, error, message", [
-    (dict(width=30), ValueError, "even d"),
+    (dict(width=30), ValueError, "at least 32 columns"),
     (dict(dtype=torch.float64), ValueError, "float16"),
-    (dict(freqs=3), ValueError, "inv_freq"),
+    (dict(freqs=0), ValueError, "inv_freq"),
     (dict(heads=0), ValueError, "positive"),
     (dict(kv_heads=1.0), TypeError, "kv_heads"),
     (dict(offset=True), TypeError, "offset"),

@@ -1,6 +1,7 @@
 """The SparseAttention layer on its PyTorch path: shapes, causality, decoding, gradients,
 bad input."""
 
+import copy
 import itertools
 
 import pytest
@@ -192,6 +193,30 @@ def test_a_custom_strategy_combine_mlp_is_used():
     layer = make_layer(strategy_combine_mlp=combine)
     layer(torch.randn(1, 9, DIM)).sum().backward()
     assert combine[0].weight.grad is not None
+
+
+class _LinearSubclass(nn.Linear):
+    """A linear layer whose forward could be overridden: the layer must call it."""
+
+
+def test_the_gate_projection_shares_the_qkv_matmul():
+    """The default (plain linear) gate projection is folded into the qkv matmul; a subclass
+    is called as a module. Both give the same output and gradients."""
+    folded = make_layer(kv_heads=2)
+    nn.init.normal_(folded.to_gates[0].weight, std=0.5)
+    separate = copy.deepcopy(folded)
+    plain = separate.to_gates[0]
+    separate.to_gates[0] = _LinearSubclass(plain.in_features, plain.out_features)
+    separate.to_gates[0].load_state_dict(plain.state_dict())
+    calls = []
+    separate.to_gates[0].register_forward_hook(lambda *args: calls.append(1))
+    x = torch.randn(2, 40, DIM)
+    for layer in (folded, separate):
+        layer(x).pow(2).sum().backward()
+    assert calls == [1]
+    torch.testing.assert_close(folded(x), separate(x))
+    for (name, p_folded), p_separate in zip(folded.named_parameters(), separate.parameters()):
+        torch.testing.assert_close(p_folded.grad, p_separate.grad, msg=name)
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -20,11 +20,12 @@ T once and writes OUT once. ``a`` reaches about p radians: it is reduced to [-pi
 float64 first, since the float32 sine and cosine lose accuracy far from zero.
 
 Split heads (``split_heads_and_rotate``): the layers' q, k and v are head-splitting views
-of one projection ``QKV: [Z, N, (HQ + 2 * HKV) * D]``, and q and k are also rotated.
+of one projection ``QKV: [Z, N, (HQ + 2 * HKV) * D + E]``, and q and k are also rotated.
 HQ, HKV: query / key-value heads; the projection's columns hold HQ query heads, then
-HKV key heads, then HKV value heads, D each. The gradient of QKV sums, per head, the
+HKV key heads, then HKV value heads, D each, then E other columns (REST: the sparse
+layer's gate logits, which share the matmul). The gradient of QKV sums, per head, the
 gradient of the plain view (dQ, dK, dV) and the inverse rotation of the rotated copy's
-(dRQ, dRK). ``_qkv_grad_kernel`` writes it in one pass, where autograd would rotate dRQ
+(dRQ, dRK), and copies dREST. ``_qkv_grad_kernel`` writes it in one pass, where autograd would rotate dRQ
 back into a tensor of its own, then add it to dQ while concatenating the heads into DQKV.
 In the compiled NSA layer at 32 / 2 heads of 64, n = 65536 on an H100 it takes 0.33 ms
 (about 2.7 TB/s) in place of 0.22 ms of inverse rotations and Inductor's 0.69 ms
@@ -135,27 +136,50 @@ def _head_grad(PLAIN, ROTATED, OUT, z, h, out_col, n_start, cos, sin, N,
 
 
 @triton.jit
+def _rest_grad(DREST, OUT, z, n_start, N, stride_ez, stride_en, stride_on, col_start, E,
+               BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, HAS_DREST: tl.constexpr):
+    """OUT's columns ``col_start ..`` of the program's tokens: DREST's ``E`` columns, or
+    zeros."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    rows = tl.cast(z, tl.int64) * N + offs_n[:, None].to(tl.int64)
+    for e_start in range(0, E, BLOCK_E):
+        offs_e = e_start + tl.arange(0, BLOCK_E)
+        mask = (offs_n[:, None] < N) & (offs_e[None, :] < E)
+        if HAS_DREST:
+            src = (tl.cast(z, tl.int64) * stride_ez + offs_n[:, None].to(tl.int64) * stride_en
+                   + offs_e[None, :])
+            values = tl.load(DREST + src, mask=mask)
+        else:
+            values = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+        tl.store(OUT + rows * stride_on + col_start + offs_e[None, :],
+                 values.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _qkv_grad_kernel(
-    DQ, DRQ, DK, DRK, DV, DQKV, INV_FREQ,
+    DQ, DRQ, DK, DRK, DV, DREST, DQKV, INV_FREQ,
     stride_qz, stride_qh, stride_qn, stride_rqz, stride_rqh, stride_rqn,
     stride_kz, stride_kh, stride_kn, stride_rkz, stride_rkh, stride_rkn,
-    stride_vz, stride_vh, stride_vn,
-    HQ, HKV, N, offset,
+    stride_vz, stride_vh, stride_vn, stride_ez, stride_en,
+    HQ, HKV, E, N, offset,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr, HEADS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     HAS_DQ: tl.constexpr, HAS_DRQ: tl.constexpr, HAS_DK: tl.constexpr, HAS_DRK: tl.constexpr,
-    HAS_DV: tl.constexpr,
+    HAS_DV: tl.constexpr, HAS_DREST: tl.constexpr, REST_GROUPS: tl.constexpr,
 ):
-    # DQ, DRQ: [Z, HQ, N, D]; DK, DRK, DV: [Z, HKV, N, D], each with unit stride along D
-    # (absent where its HAS_ flag is off); DQKV: [Z, N, (HQ + 2 * HKV) * D] contiguous.
+    # DQ, DRQ: [Z, HQ, N, D]; DK, DRK, DV: [Z, HKV, N, D], each with unit stride along D;
+    # DREST: [Z, N, E] with unit stride along E (each absent where its HAS_ flag is off);
+    # DQKV: [Z, N, (HQ + 2 * HKV) * D + E] contiguous.
     # Axis 1 walks, per batch, the groups of HEADS query heads, then of key heads, then
-    # of value heads: a program's heads are all of one kind.
+    # of value heads, then (when E > 0) the rest columns: a program's heads are all of one
+    # kind.
     n_start = tl.program_id(0) * BLOCK_N
     q_groups = tl.cdiv(HQ, HEADS)
     kv_groups = tl.cdiv(HKV, HEADS)
-    groups = q_groups + 2 * kv_groups
+    groups = q_groups + 2 * kv_groups + REST_GROUPS
     z = tl.program_id(1) // groups
     group = tl.program_id(1) % groups
-    stride_on = (HQ + 2 * HKV) * 2 * HALF
+    stride_on = (HQ + 2 * HKV) * 2 * HALF + E
     cos, sin = _cos_sin(INV_FREQ, offset, n_start, BLOCK_N, BLOCK_HALF, HALF, INVERSE=True)
     if group < q_groups:
         h_start = group * HEADS
@@ -169,18 +193,23 @@ def _qkv_grad_kernel(
             _head_grad(DK, DRK, DQKV, z, h, HQ + h, n_start, cos, sin, N,
                        stride_kz, stride_kh, stride_kn, stride_rkz, stride_rkh, stride_rkn, stride_on,
                        HALF, BLOCK_N, BLOCK_HALF, HAS_DK, HAS_DRK)
-    else:
+    elif group < q_groups + 2 * kv_groups:
         h_start = (group - q_groups - kv_groups) * HEADS
         for h in range(h_start, tl.minimum(h_start + HEADS, HKV)):
             _head_grad(DV, DV, DQKV, z, h, HQ + HKV + h, n_start, cos, sin, N,
                        stride_vz, stride_vh, stride_vn, 0, 0, 0, stride_on,
                        HALF, BLOCK_N, BLOCK_HALF, HAS_DV, False)
+    else:
+        _rest_grad(DREST, DQKV, z, n_start, N, stride_ez, stride_en, stride_on,
+                   (HQ + 2 * HKV) * 2 * HALF, E, BLOCK_N, BLOCK_E, HAS_DREST)
 
 
 _BLOCK_N = 64
 # A tile's sine and cosine serve this many heads: fewer would recompute them more often,
 # more would shrink the grid of short sequences. At 8 the kernel moved ~2.7 TB/s on an H100.
 _HEADS_PER_PROGRAM = 8
+# Columns of the projection past the heads (the layer's gate logits) copied per step.
+_BLOCK_REST = 64
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -257,38 +286,41 @@ def _head_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else t.stride()[:3]
 
 
-def _unit_stride_d(t: torch.Tensor | None) -> torch.Tensor | None:
+def _unit_stride_last(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _fake_qkv_grad(dq, drq, dk, drk, dv, inv_freq, offset, batch, seq_len, heads, kv_heads, dtype):
-    width = (heads + 2 * kv_heads) * 2 * inv_freq.shape[0]
+def _fake_qkv_grad(dq, drq, dk, drk, dv, drest, inv_freq, offset, batch, seq_len, heads, kv_heads,
+                   width, dtype):
     return inv_freq.new_empty((batch, seq_len, width), dtype=dtype)
 
 
 @launcher_op("qkv_grad", _fake_qkv_grad)
 def _qkv_grad(dq: torch.Tensor | None, drq: torch.Tensor | None, dk: torch.Tensor | None,
-              drk: torch.Tensor | None, dv: torch.Tensor | None, inv_freq: torch.Tensor,
-              offset: int, batch: int, seq_len: int, heads: int, kv_heads: int,
-              dtype: torch.dtype) -> torch.Tensor:
-    """The gradient ``[b, n, (hq + 2 * hk) * d]`` of the projection that
-    ``split_heads_and_rotate`` split, of dtype ``dtype``: dq, drq: [b, hq, n, d],
-    dk, drk, dv: [b, hk, n, d] (any strides; None where the gradient is zero)."""
+              drk: torch.Tensor | None, dv: torch.Tensor | None, drest: torch.Tensor | None,
+              inv_freq: torch.Tensor, offset: int, batch: int, seq_len: int, heads: int,
+              kv_heads: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient ``[b, n, width]`` of the projection that ``split_heads_and_rotate``
+    split, of dtype ``dtype``: dq, drq: [b, hq, n, d], dk, drk, dv: [b, hk, n, d] (any
+    strides), drest: [b, n, width - (hq + 2 * hk) * d]; None where a gradient is zero."""
     half = inv_freq.shape[0]
-    out = _empty((batch, seq_len, (heads + 2 * kv_heads) * 2 * half), dtype, inv_freq.device)
+    rest = width - (heads + 2 * kv_heads) * 2 * half
+    out = _empty((batch, seq_len, width), dtype, inv_freq.device)
     if out.numel() == 0:
         return out
-    dq, drq, dk, drk, dv = (_unit_stride_d(t) for t in (dq, drq, dk, drk, dv))
-    groups = triton.cdiv(heads, _HEADS_PER_PROGRAM) + 2 * triton.cdiv(kv_heads, _HEADS_PER_PROGRAM)
+    dq, drq, dk, drk, dv, drest = (_unit_stride_last(t) for t in (dq, drq, dk, drk, dv, drest))
+    groups = (triton.cdiv(heads, _HEADS_PER_PROGRAM) + 2 * triton.cdiv(kv_heads, _HEADS_PER_PROGRAM)
+              + int(rest > 0))
     grid = (triton.cdiv(seq_len, _BLOCK_N), batch * groups)
     _qkv_grad_kernel[grid](
-        dq, drq, dk, drk, dv, out, inv_freq,
+        dq, drq, dk, drk, dv, drest, out, inv_freq,
         *_head_strides(dq), *_head_strides(drq), *_head_strides(dk), *_head_strides(drk),
-        *_head_strides(dv),
-        heads, kv_heads, seq_len, offset,
+        *_head_strides(dv), *((0, 0) if drest is None else drest.stride()[:2]),
+        heads, kv_heads, rest, seq_len, offset,
         HALF=half, BLOCK_N=_BLOCK_N, BLOCK_HALF=triton.next_power_of_2(half),
-        HEADS=_HEADS_PER_PROGRAM, HAS_DQ=dq is not None, HAS_DRQ=drq is not None,
-        HAS_DK=dk is not None, HAS_DRK=drk is not None, HAS_DV=dv is not None,
+        HEADS=_HEADS_PER_PROGRAM, BLOCK_E=_BLOCK_REST, HAS_DQ=dq is not None,
+        HAS_DRQ=drq is not None, HAS_DK=dk is not None, HAS_DRK=drk is not None,
+        HAS_DV=dv is not None, HAS_DREST=drest is not None, REST_GROUPS=int(rest > 0),
     )
     return out
 
@@ -298,33 +330,35 @@ class _SplitRotate(torch.autograd.Function):
     def forward(ctx, qkv, inv_freq, heads, kv_heads, offset):
         ctx.save_for_backward(inv_freq)
         ctx.heads, ctx.kv_heads, ctx.offset = heads, kv_heads, offset
-        ctx.batch, ctx.seq_len, ctx.dtype = qkv.shape[0], qkv.shape[1], qkv.dtype
+        ctx.shape, ctx.dtype = qkv.shape, qkv.dtype
         # Gradients of outputs that the caller never used arrive as None, and the kernel
         # skips them, rather than as zero tensors it would have to read.
         ctx.set_materialize_grads(False)
-        q, k, v = split_qkv_heads(qkv, heads, kv_heads)
+        q, k, v, rest = split_qkv_heads(qkv, heads, kv_heads, 2 * inv_freq.shape[0])
         rq = _rotate(q, inv_freq, offset, inverse=False, tokens_major=False)
         rk = _rotate(k, inv_freq, offset, inverse=False, tokens_major=False)
-        return q, k, v, rq, rk
+        return q, k, v, rq, rk, rest
 
     @staticmethod
-    def backward(ctx, dq, dk, dv, drq, drk):
+    def backward(ctx, dq, dk, dv, drq, drk, drest):
         (inv_freq,) = ctx.saved_tensors
-        dqkv = _qkv_grad(dq, drq, dk, drk, dv, inv_freq, ctx.offset, ctx.batch, ctx.seq_len,
-                         ctx.heads, ctx.kv_heads, ctx.dtype)
+        batch, seq_len, width = ctx.shape
+        dqkv = _qkv_grad(dq, drq, dk, drk, dv, drest, inv_freq, ctx.offset, batch, seq_len,
+                         ctx.heads, ctx.kv_heads, width, ctx.dtype)
         return dqkv, None, None, None, None
 
 
 def split_heads_and_rotate(qkv: torch.Tensor, heads: int, kv_heads: int, inv_freq: torch.Tensor,
                            offset: int = 0):
-    """Splits the projection ``qkv: [b, n, (heads + 2 * kv_heads) * d]`` (query heads, then
-    key heads, then value heads) into heads and rotates the queries and keys.
+    """Splits the projection ``qkv: [b, n, (heads + 2 * kv_heads) * d + e]`` (query heads,
+    then key heads, then value heads, then e >= 0 other columns) into heads and rotates
+    the queries and keys; d is ``2 * len(inv_freq)``.
 
-    Returns ``(q, k, v, rq, rk)``: q: [b, heads, n, d], k, v: [b, kv_heads, n, d], views of
-    qkv; rq, rk: contiguous rotary embeddings of q and k at positions
-    ``offset .. offset + n - 1``, as ``apply_rotary`` computes them. The gradient of qkv
-    is written by one kernel, in qkv's dtype (float16, bfloat16 or float32); inv_freq:
-    [d / 2]. Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
+    Returns ``(q, k, v, rq, rk, rest)``: q: [b, heads, n, d], k, v: [b, kv_heads, n, d] and
+    rest: [b, n, e], views of qkv; rq, rk: contiguous rotary embeddings of q and k at
+    positions ``offset .. offset + n - 1``, as ``apply_rotary`` computes them. The
+    gradient of qkv is written by one kernel, in qkv's dtype (float16, bfloat16 or
+    float32). Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
     """
     if not isinstance(qkv, torch.Tensor) or not isinstance(inv_freq, torch.Tensor):
         raise TypeError(f"qkv and inv_freq must be torch.Tensors, got {type(qkv).__name__} and "
@@ -334,13 +368,14 @@ def split_heads_and_rotate(qkv: torch.Tensor, heads: int, kv_heads: int, inv_fre
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if heads < 1 or kv_heads < 1:
         raise ValueError(f"heads and kv_heads must be positive, got {heads} and {kv_heads}")
-    if qkv.ndim != 3 or qkv.shape[-1] % (2 * (heads + 2 * kv_heads)):
-        raise ValueError(f"qkv must be [b, n, (heads + 2 * kv_heads) * d] with an even d, for "
-                         f"heads={heads}, kv_heads={kv_heads}; got shape {tuple(qkv.shape)}")
+    if inv_freq.ndim != 1 or inv_freq.numel() == 0 or inv_freq.device != qkv.device:
+        raise ValueError(f"inv_freq must be a non-empty [d / 2] tensor on {qkv.device}, got "
+                         f"{tuple(inv_freq.shape)} on {inv_freq.device}")
+    heads_width = (heads + 2 * kv_heads) * 2 * inv_freq.shape[0]
+    if qkv.ndim != 3 or qkv.shape[-1] < heads_width:
+        raise ValueError(f"qkv must be [b, n, (heads + 2 * kv_heads) * d + e] with at least "
+                         f"{heads_width} columns for heads={heads}, kv_heads={kv_heads} and "
+                         f"d = 2 * len(inv_freq) = {2 * inv_freq.shape[0]}; got shape {tuple(qkv.shape)}")
     if qkv.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"qkv must be float16, bfloat16 or float32, got {qkv.dtype}")
-    half = qkv.shape[-1] // (heads + 2 * kv_heads) // 2
-    if inv_freq.shape != (half,) or inv_freq.device != qkv.device:
-        raise ValueError(f"inv_freq must be [d / 2] = [{half}] on {qkv.device}, got "
-                         f"{tuple(inv_freq.shape)} on {inv_freq.device}")
     return _SplitRotate.apply(qkv, inv_freq.float().contiguous(), int(heads), int(kv_heads), int(offset))
