@@ -130,13 +130,13 @@ def check_split_against_float64(b, n, heads, kv_heads, d, rest, offset, dtype, u
 
 # All outputs used with rest columns in several tiles (the sparse layer's gate logits), only
 # v and the rotated ones (the dense layer), and a lone query view whose other columns must
-# come back as zeros; 9 query heads fill one program and part of another; a decoding step
-# far into the sequence.
+# come back as zeros (d = 48: half rows padded to a power of two); 9 query heads fill one
+# program and part of another; a decoding step far into the sequence.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b, n, heads, kv_heads, d, rest, offset, used", [
     (2, 77, 4, 2, 32, 150, 0, SPLIT_OUTPUTS),
     (1, 45, 9, 3, 16, 0, 40_000, ("v", "rq", "rk")),
-    (2, 70, 2, 1, 8, 6, 3, ("q",)),
+    (2, 70, 2, 1, 48, 6, 3, ("q",)),
     (2, 1, 4, 1, 64, 12, 65_535, SPLIT_OUTPUTS),
 ])
 def test_split_heads_and_rotate_matches_pytorch(b, n, heads, kv_heads, d, rest, offset, used, dtype):
