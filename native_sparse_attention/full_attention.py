@@ -50,6 +50,7 @@ class FullAttention(nn.Module):
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape [batch, seq_len, {self.dim}], got {tuple(x.shape)}")
         offset = 0 if cache is None else cache.seq_len
+        # Only the rotated queries and keys are attended.
         _, _, v, q, k, _ = self.rotary.split_heads(self.to_qkv(self.norm(x)), self.heads, self.kv_heads, offset)
         if cache is not None:
             k = torch.cat((cache.keys, k), dim=2)

@@ -12,9 +12,9 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def split_qkv_heads(qkv: torch.Tensor, heads: int, kv_heads: int, dim_head: int):
     """qkv: [b, n, (heads + 2 * kv_heads) * dim_head + e]: query heads, key heads, value
     heads, e other columns -> views q: [b, heads, n, d], k, v: [b, kv_heads, n, d], rest: [b, n, e]."""
-    kv_width = kv_heads * dim_head
-    q, k, v, rest = qkv.split((heads * dim_head, kv_width, kv_width, qkv.shape[-1] - heads * dim_head - 2 * kv_width),
-                              dim=-1)
+    q_width, kv_width = heads * dim_head, kv_heads * dim_head
+    rest_width = qkv.shape[-1] - q_width - 2 * kv_width
+    q, k, v, rest = qkv.split((q_width, kv_width, kv_width, rest_width), dim=-1)
     q = rearrange(q, "b n (h d) -> b h n d", h=heads)
     k, v = (rearrange(t, "b n (h d) -> b h n d", h=kv_heads) for t in (k, v))
     return q, k, v, rest

@@ -25,11 +25,11 @@ HQ, HKV: query / key-value heads; the projection's columns hold HQ query heads, 
 HKV key heads, then HKV value heads, D each, then E other columns (REST: the sparse
 layer's gate logits, which share the matmul). The gradient of QKV sums, per head, the
 gradient of the plain view (dQ, dK, dV) and the inverse rotation of the rotated copy's
-(dRQ, dRK), and copies dREST. ``_qkv_grad_kernel`` writes it in one pass, where autograd would rotate dRQ
-back into a tensor of its own, then add it to dQ while concatenating the heads into DQKV.
-In the compiled NSA layer at 32 / 2 heads of 64, n = 65536 on an H100 it takes 0.33 ms
-(about 2.7 TB/s) in place of 0.22 ms of inverse rotations and Inductor's 0.69 ms
-concatenation.
+(dRQ, dRK), and copies dREST. ``_qkv_grad_kernel`` writes it in one pass, where autograd
+would rotate dRQ back into a tensor of its own, then add it to dQ while concatenating the
+heads into DQKV. In the compiled NSA layer at 32 / 2 heads of 64, n = 65536 on an H100 it
+takes 0.33 ms (about 2.7 TB/s) in place of 0.22 ms of inverse rotations and Inductor's
+0.69 ms concatenation.
 """
 
 from __future__ import annotations
