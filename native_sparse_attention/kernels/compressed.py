@@ -63,10 +63,12 @@ import triton.language as tl
 from triton.language.standard import bitonic_merge
 
 from native_sparse_attention.kernels.library import (
+    head_strides,
     is_tokens_major,
     launcher_op,
     new_heads_tensor,
     row_tiles,
+    unit_stride_last,
 )
 from native_sparse_attention.reference import compressed_attend
 from native_sparse_attention.selection import (
@@ -728,15 +730,6 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _rows_last_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The kernels address rows by stride and assume unit stride along the head dim."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _bhm_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def _launch_meta(tiles: _Launch) -> dict:
     return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages)
@@ -753,7 +746,7 @@ def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.T
     block_d = _block_d(d)
     _attention_fwd_kernel[grid](
         row_tiles(q, tiles.block_m, block_d), row_tiles(ck, tiles.block_n, block_d),
-        row_tiles(cv, tiles.block_n, block_d), out, lse, *_bhm_strides(out),
+        row_tiles(cv, tiles.block_n, block_d), out, lse, *head_strides(out),
         hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
         geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=block_d,
@@ -800,7 +793,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
 
     delta = _allocate((b, hq, n), torch.float32, q.device)
     _output_grad_dot_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
-        out, dout, delta, *_bhm_strides(out), *_bhm_strides(dout), hq, n,
+        out, dout, delta, *head_strides(out), *head_strides(dout), hq, n,
         HEAD_DIM=d, BLOCK_M=dq_tiles.block_m, BLOCK_D=block_d,
     )
     if has_score_grad:
@@ -827,7 +820,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     dq = new_heads_tensor(q, is_tokens_major(q), lambda shape: _allocate(shape, q.dtype, q.device))
     _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
         *_query_and_key_tiles(q, dout, ck, cv, dq_tiles, block_d), ck, lse, delta, *selection, dq,
-        *_bhm_strides(ck), *_bhm_strides(dq), *geometry,
+        *head_strides(ck), *head_strides(dq), *geometry,
         KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
     )
     # Partials per query head and share of the rows, summed below over each group and
@@ -884,7 +877,7 @@ def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
     grid = (b * hs, triton.cdiv(n, tiles.block_m))
     _select_blocks_kernel[grid](
         q, ck, lse, indices, mask, scores,
-        *_bhm_strides(q), *_bhm_strides(ck),
+        *head_strides(q), *head_strides(ck),
         hs, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
         geo.selection_block_size, num_selection_blocks(n, geo.selection_block_size),
         geo.scale * LOG2E,
@@ -938,7 +931,7 @@ def _attend_and_select_backward(
     delta: ``_attention_backward``'s."""
     geo = _Geometry(compress_block_size, compress_stride, num_mem, causal, scale,
                     selection_block_size, num_selected, share_selection)
-    dout = torch.zeros_like(out) if dout is None else _rows_last_contiguous(dout)
+    dout = torch.zeros_like(out) if dout is None else unit_stride_last(dout)
     score_grad = None
     if dscores is not None and dscores.numel() > 0:
         score_grad = torch.where(mask, dscores, 0.0).float()
@@ -1096,6 +1089,6 @@ def compressed_attend_and_select(
         if not scores_require_grad:
             selection = selection._replace(scores=selection.scores.detach())
         return out, lse, selection
-    q, ck, cv = (_rows_last_contiguous(t) for t in (q, ck, cv))
+    q, ck, cv = (unit_stride_last(t) for t in (q, ck, cv))
     out, lse, indices, mask, scores = _CompressedAttendAndSelect.apply(q, ck, cv, bool(scores_require_grad), *geometry)
     return out, lse, BlockSelection(indices, mask, scores)

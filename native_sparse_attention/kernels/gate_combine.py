@@ -33,7 +33,7 @@ from einops import rearrange
 
 from native_sparse_attention.kernels import compressed as compressed_kernels
 from native_sparse_attention.kernels import selection as selection_kernels
-from native_sparse_attention.kernels.library import launcher_op
+from native_sparse_attention.kernels.library import head_strides, launcher_op, unit_stride_last
 from native_sparse_attention.selection import BlockSelection
 
 __all__ = ["gated_branches", "gated_sum"]
@@ -155,14 +155,6 @@ def _block_d(head_dim: int) -> int:
     return triton.next_power_of_2(head_dim)
 
 
-def _bhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _fake_forward(gates, branch0, branch1, branch2):
     b, h, n, d = branch0.shape
     return branch0.new_empty((b, n, h * d), dtype=torch.promote_types(gates.dtype, branch0.dtype))
@@ -179,7 +171,7 @@ def _forward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor,
     _gated_sum_fwd_kernel[grid](
         gates, branch0, branch1, branch2, out,
         *gates.stride(),
-        *_bhn_strides(branch0), *_bhn_strides(branch1), *_bhn_strides(branch2),
+        *head_strides(branch0), *head_strides(branch1), *head_strides(branch2),
         h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d),
     )
     return out
@@ -203,7 +195,7 @@ def _backward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor,
     _gated_sum_bwd_kernel[grid](
         gates, *branches, dout, *grads, dgates,
         *gates.stride(),
-        *(stride for t in branches for stride in _bhn_strides(t)),
+        *(stride for t in branches for stride in head_strides(t)),
         dout.stride(0), dout.stride(1),
         h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d),
     )
@@ -230,7 +222,7 @@ def gated_sum(gates: torch.Tensor, compressed: torch.Tensor, selected: torch.Ten
     the gates and the branches, computed in float32; differentiable in all four inputs.
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
     """
-    branches = tuple(_unit_stride_rows(t) for t in (compressed, selected, sliding))
+    branches = tuple(unit_stride_last(t) for t in (compressed, selected, sliding))
     if gates.shape != (3, *branches[0].shape[:3]):
         raise ValueError(f"gates must be [3, b, h, n] = [3, {', '.join(map(str, branches[0].shape[:3]))}], "
                          f"got {tuple(gates.shape)}")
@@ -272,11 +264,11 @@ class _GatedBranches(torch.autograd.Function):
     def backward(ctx, d_merged, _d_indices, _d_mask, _d_scores):
         gates, q, ck, cv, rq, rk, v, indices, mask, out_c, lse_c, out_s, lse_s, out_w, lse_w = ctx.saved_tensors
         compressed_options, selection_options = ctx.options
-        b, h, n, d = out_c.shape
+        heads = out_c.shape[1]
         # A view, tokens-major: every kernel of the branches reads dO through strides or
         # TMA descriptors, and the selection's dK / dV pass has an offset path for this
         # layout, so no heads-major copy is made.
-        d_out = rearrange(d_merged, "b n (h d) -> b h n d", h=h)
+        d_out = rearrange(d_merged, "b n (h d) -> b h n d", h=heads)
         gate_c, gate_s, gate_w = gates
         dq, dck, dcv, dgate_c = compressed_kernels._attend_and_select_backward(
             d_out, None, q, ck, cv, out_c, _folded_lse(lse_c, gate_c), indices, mask, *compressed_options

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["NAMESPACE", "launcher_op", "is_tokens_major", "new_heads_tensor", "row_tiles"]
+__all__ = ["NAMESPACE", "launcher_op", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
+           "row_tiles"]
 
 NAMESPACE = "native_sparse_attention"
 
@@ -77,6 +78,18 @@ def new_heads_tensor(t: torch.Tensor, tokens_major: bool, new: Callable) -> torc
     if tokens_major:
         return new((b, n, h, d)).transpose(1, 2)
     return new((b, h, n, d))
+
+
+def head_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
+    """Strides of the batch, head and row dims of ``t: [b, h, rows, ...]``; zeros for an
+    absent tensor, which a kernel then never reads."""
+    return (0, 0, 0) if t is None else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def unit_stride_last(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or a contiguous copy where its last dim is strided: the kernels address rows
+    by stride and assume unit stride along them. None passes through."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def _tma_addressable(t: torch.Tensor) -> bool:
