@@ -56,15 +56,6 @@ def _masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
     return probs, lse
 
 
-def _masked_softmax_attend(
-    logits: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits, mask: [..., L]``, ``values: [..., L, d]`` -> (out [..., d], lse [...])."""
-    probs, lse = _masked_softmax(logits, mask)
-    out = (probs.unsqueeze(-2) @ values).squeeze(-2)
-    return out.to(out_dtype), lse
-
-
 def sliding_window_attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,8 +86,8 @@ def sliding_window_attend(
         mask = (distance >= 0) & (distance <= window_size)
     else:
         mask = distance.abs() <= window_size
-    mask = mask.expand_as(logits)
-    return _masked_softmax_attend(logits, mask, v_full.unsqueeze(2), q.dtype)
+    probs, lse = _masked_softmax(logits, mask.expand_as(logits))
+    return (probs @ v_full).to(q.dtype), lse
 
 
 def compressed_key_last_positions(
@@ -238,17 +229,17 @@ def selected_attend(
     positions, key_mask, key_scale = (
         _expand_kv_heads(t, hq) for t in (positions, key_mask, key_scale)
     )
-    gather_index = positions.clamp(0, max(n - 1, 0))
-    k_full = _expand_kv_heads(k, hq).to(dtype)
-    v_full = _expand_kv_heads(v, hq).to(dtype)
-    batch_index = torch.arange(b, device=q.device).view(b, 1, 1, 1)
-    head_index = torch.arange(hq, device=q.device).view(1, hq, 1, 1)
     if n == 0:
-        keys = q.new_zeros(b, hq, m, positions.shape[-1], d, dtype=dtype)
-        values = keys
-    else:
-        keys = k_full[batch_index, head_index, gather_index]
-        values = v_full[batch_index, head_index, gather_index]
-
-    logits = (keys @ q.to(dtype).unsqueeze(-1)).squeeze(-1) * scale * key_scale
-    return _masked_softmax_attend(logits, key_mask, values, q.dtype)
+        logits = torch.zeros(key_mask.shape, dtype=dtype, device=q.device)
+        probs, lse = _masked_softmax(logits, key_mask)
+        return q.new_zeros(b, hq, m, d), lse
+    # Logits of every (query, key) pair, then those of the key sets gathered from them:
+    # gathering the keys themselves would hold d values per key set entry, which at
+    # 17 blocks of 64 keys outgrows the [m, n] logits whenever n < 17 * 64 * d.
+    gather_index = positions.clamp(0, n - 1)
+    all_logits = q.to(dtype) @ _expand_kv_heads(k, hq).to(dtype).transpose(-1, -2)
+    logits = all_logits.gather(-1, gather_index) * scale * key_scale
+    probs, lse = _masked_softmax(logits, key_mask)
+    # A key in several sets gets the sum of its probabilities.
+    key_probs = torch.zeros_like(all_logits).scatter_add(-1, gather_index, probs)
+    return (key_probs @ _expand_kv_heads(v, hq).to(dtype)).to(q.dtype), lse
