@@ -665,10 +665,7 @@ class _Launch:
 # benchmark's configuration (n = 65536, 32 query heads on 2 kv heads, d = 64, bf16).
 _CUDA_LAUNCH = {
     "forward": _Launch(128, 64, 8, 3),
-    # 128-row tiles: 2.59 -> 2.35 ms at n = 65536 (8 warps, or 32 / 128 keys, were slower).
-    "backward_dq": _Launch(128, 64, 4, 3),
-    # The scores' gather path holds a second [BLOCK_M, D] float32 accumulator.
-    "backward_dq_scores": _Launch(64, 64, 4, 3),
+    "backward_dq": _Launch(64, 64, 4, 3),
     # 32-row steps: with 64 the kernel needs more than the 255 registers a thread has and
     # spills (26 ms instead of 4.9 at n = 65536 once the query splits added a few live
     # values; 5.8 before them, already spilling). Eight warps, whose accumulators fit
@@ -689,7 +686,6 @@ _CUDA_LAUNCH = {
 _CUDA_LAUNCH_WIDE_ROWS = {
     "forward": _Launch(64, 64, 4, 2),
     "backward_dq": _Launch(64, 64, 4, 2),
-    "backward_dq_scores": _Launch(64, 64, 4, 2),
     "backward_dkdv": _Launch(64, 64, 4, 2),
     "backward_dkdv_scores": _Launch(64, 64, 4, 2),
     "select": _Launch(64, 128, 4, 2),
@@ -791,7 +787,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
     has_score_grad = score_grad is not None
-    dq_tiles = _launch("backward_dq_scores" if has_score_grad else "backward_dq", q)
+    dq_tiles = _launch("backward_dq", q)
     dkdv_tiles = _launch("backward_dkdv_scores" if has_score_grad else "backward_dkdv", q)
     block_d = _block_d(d)
 
