@@ -75,12 +75,16 @@ def sliding_window_attend(
     dtype = _compute_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     hq, m, n = q.shape[1], q.shape[2], k.shape[2]
-    k_full = _expand_kv_heads(k, hq).to(dtype)
-    v_full = _expand_kv_heads(v, hq).to(dtype)
+    # Only keys some query's window reaches: a decoding step (m = 1) reads window_size + 1
+    # keys, not the whole cache.
+    first = min(max(q_offset - window_size, 0), n)
+    end = max(min(q_offset + m + (0 if causal else window_size), n), first)
+    k_full = _expand_kv_heads(k[:, :, first:end], hq).to(dtype)
+    v_full = _expand_kv_heads(v[:, :, first:end], hq).to(dtype)
     logits = (q.to(dtype) @ k_full.transpose(-1, -2)) * scale
 
     q_pos = torch.arange(m, device=q.device)[:, None] + q_offset
-    k_pos = torch.arange(n, device=q.device)[None, :]
+    k_pos = torch.arange(first, end, device=q.device)[None, :]
     distance = q_pos - k_pos
     if causal:
         mask = (distance >= 0) & (distance <= window_size)
