@@ -35,10 +35,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _expand_kv_heads(t: torch.Tensor, num_query_heads: int) -> torch.Tensor:
-    """``t: [b, hk, ...] -> [b, hq, ...]``, repeating each kv head for its query group."""
-    groups = num_query_heads // t.shape[1]
-    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+def _grouped_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x: [b, hq, m, k] @ y: [b, hk, k, p] -> [b, hq, m, p]``, query head ``h`` against kv
+    head ``h // (hq // hk)``. The rows of a group's query heads are stacked into one matrix
+    per kv head, so that no kv head's keys or values are copied for each of its query heads."""
+    stacked = rearrange(x, "b (hk g) m k -> b hk (g m) k", hk=y.shape[1])
+    return rearrange(stacked @ y, "b hk (g m) p -> b (hk g) m p", m=x.shape[2])
 
 
 def _masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,9 +81,7 @@ def sliding_window_attend(
     # keys, not the whole cache.
     first = min(max(q_offset - window_size, 0), n)
     end = max(min(q_offset + m + (0 if causal else window_size), n), first)
-    k_full = _expand_kv_heads(k[:, :, first:end], hq).to(dtype)
-    v_full = _expand_kv_heads(v[:, :, first:end], hq).to(dtype)
-    logits = (q.to(dtype) @ k_full.transpose(-1, -2)) * scale
+    logits = _grouped_matmul(q.to(dtype), k[:, :, first:end].to(dtype).transpose(-1, -2)) * scale
 
     q_pos = torch.arange(m, device=q.device)[:, None] + q_offset
     k_pos = torch.arange(first, end, device=q.device)[None, :]
@@ -91,7 +91,7 @@ def sliding_window_attend(
     else:
         mask = distance.abs() <= window_size
     probs, lse = _masked_softmax(logits, mask.expand_as(logits))
-    return (probs @ v_full).to(q.dtype), lse
+    return _grouped_matmul(probs, v[:, :, first:end].to(dtype)).to(q.dtype), lse
 
 
 def compressed_key_last_positions(
@@ -138,9 +138,7 @@ def compressed_attend(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     hq, m = q.shape[1], q.shape[2]
     num_keys = ck.shape[2]
-    ck_full = _expand_kv_heads(ck, hq).to(dtype)
-    cv_full = _expand_kv_heads(cv, hq).to(dtype)
-    logits = (q.to(dtype) @ ck_full.transpose(-1, -2)) * scale
+    logits = _grouped_matmul(q.to(dtype), ck.to(dtype).transpose(-1, -2)) * scale
 
     if causal:
         last_pos = compressed_key_last_positions(
@@ -152,7 +150,7 @@ def compressed_attend(
         mask = torch.ones_like(logits, dtype=torch.bool)
 
     probs, lse = _masked_softmax(logits, mask)
-    out = (probs @ cv_full).to(q.dtype)
+    out = _grouped_matmul(probs, cv.to(dtype)).to(q.dtype)
     if return_probs:
         return out, lse, probs
     return out, lse
@@ -229,21 +227,26 @@ def selected_attend(
         q_pos = torch.arange(m, device=q.device).view(1, 1, m, 1) + q_offset
         key_mask = key_mask & (positions <= q_pos)
 
-    # Selection tensors are per kv head or per query head; bring them to query heads.
-    positions, key_mask, key_scale = (
-        _expand_kv_heads(t, hq) for t in (positions, key_mask, key_scale)
-    )
     if n == 0:
-        logits = torch.zeros(key_mask.shape, dtype=dtype, device=q.device)
-        probs, lse = _masked_softmax(logits, key_mask)
-        return q.new_zeros(b, hq, m, d), lse
+        return q.new_zeros(b, hq, m, d), torch.full((b, hq, m), float("-inf"), dtype=dtype, device=q.device)
     # Logits of every (query, key) pair, then those of the key sets gathered from them:
     # gathering the keys themselves would hold d values per key set entry, which at
     # 17 blocks of 64 keys outgrows the [m, n] logits whenever n < 17 * 64 * d.
-    gather_index = positions.clamp(0, n - 1)
-    all_logits = q.to(dtype) @ _expand_kv_heads(k, hq).to(dtype).transpose(-1, -2)
-    logits = all_logits.gather(-1, gather_index) * scale * key_scale
-    probs, lse = _masked_softmax(logits, key_mask)
+    hk = k.shape[1]
+    all_logits = _grouped_matmul(q.to(dtype), k.to(dtype).transpose(-1, -2))
+    all_logits = all_logits.view(b, hk, hq // hk, m, n)
+
+    selections_per_kv_head = positions.shape[1] // hk
+
+    def per_query_head(t: torch.Tensor) -> torch.Tensor:
+        """[b, hs, m, keys] -> [b, hk, hs // hk, m, keys], which broadcasts over a group's
+        query heads when they share their selection (hs = hk)."""
+        return t.view(b, hk, selections_per_kv_head, m, t.shape[-1])
+
+    gather_index = per_query_head(positions.clamp(0, n - 1)).expand(b, hk, hq // hk, m, -1)
+    logits = all_logits.gather(-1, gather_index) * scale * per_query_head(key_scale)
+    probs, lse = _masked_softmax(logits, per_query_head(key_mask))
     # A key in several sets gets the sum of its probabilities.
     key_probs = torch.zeros_like(all_logits).scatter_add(-1, gather_index, probs)
-    return (key_probs @ _expand_kv_heads(v, hq).to(dtype)).to(q.dtype), lse
+    out = _grouped_matmul(key_probs.view(b, hq, m, n), v.to(dtype))
+    return out.to(q.dtype), lse.reshape(b, hq, m)
