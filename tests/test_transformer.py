@@ -41,6 +41,17 @@ def test_greedy_sampling_with_cache_equals_without(use_sparse_attn):
     assert torch.equal(with_cache, without_cache)
 
 
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_full_attention_continues_from_a_cache(chunk):
+    torch.manual_seed(0)
+    attn = FullAttention(dim=32, dim_head=8, heads=4, kv_heads=2)
+    x = torch.randn(2, 12, 32)
+    _, cache = attn(x[:, :7], return_cache=True)
+    out, cache = attn(x[:, 7:7 + chunk], cache=cache, return_cache=True)
+    torch.testing.assert_close(out, attn(x[:, :7 + chunk])[:, 7:])
+    assert cache.seq_len == 7 + chunk
+
+
 def test_sampling_respects_the_filter_and_restores_training_mode():
     model = make_model().train()
     out = model.sample(torch.randint(0, 64, (7,)), 12, temperature=1.0, filter_thres=0.9, use_cache_kv=True)
