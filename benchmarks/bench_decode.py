@@ -12,7 +12,6 @@ runs the last), and the CUDA kernel time and kernel count of one step (torch.pro
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -24,7 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_layer import DIM, build  # noqa: E402
-from benchmarks.report import environment_line, markdown_table, write_section  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    benchmark_arguments, environment_line, markdown_table, require_cuda, write_section,
+)
 
 CACHED_LENS = (4096, 16384, 65536)
 WARMUP_STEPS, TIMED_STEPS = 8, 32
@@ -92,12 +93,10 @@ def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_arguments(__doc__)
     parser.add_argument("--cached-lens", type=int, nargs="+", default=list(CACHED_LENS))
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_decode.py needs a CUDA device")
+    require_cuda(parser)
     results = {}
     for n in args.cached_lens:
         results[n] = {kind: measure(kind, n) for kind in ("dense", "nsa")}

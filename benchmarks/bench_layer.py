@@ -21,7 +21,6 @@ from a reset after the layer, its input and the output gradient are allocated.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 from dataclasses import dataclass
@@ -31,7 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import environment_line, markdown_table, median_ms, write_section  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    benchmark_arguments, environment_line, markdown_table, median_ms, require_cuda, write_section,
+)
 from native_sparse_attention import FullAttention, SparseAttention  # noqa: E402
 from native_sparse_attention.cuda_graph import capture  # noqa: E402
 
@@ -330,14 +331,12 @@ def _targets(results: dict[int, dict[str, Measurement]]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_arguments(__doc__)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
     parser.add_argument("--profile", type=int, default=None, help="also profile the NSA layer at this length")
     parser.add_argument("--profile-out", type=Path, default=None, help="file for the full profiler table")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_layer.py needs a CUDA device")
+    require_cuda(parser)
 
     results = {}
     for n in args.seq_lens:

@@ -18,7 +18,6 @@ last step every run validated, and the median of their logged tokens/s.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import sys
@@ -29,7 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import environment_line, markdown_table, median_ms, write_section  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    benchmark_arguments, environment_line, markdown_table, median_ms, require_cuda, write_section,
+)
 from native_sparse_attention.cuda_graph import GraphedLossBackward  # noqa: E402
 from native_sparse_attention.plotting import read_config, read_metrics  # noqa: E402
 from native_sparse_attention.training import (  # noqa: E402
@@ -146,12 +147,10 @@ def runs_table(run_dirs: list[Path]) -> tuple[str, int | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_arguments(__doc__)
     parser.add_argument("--runs", nargs="*", type=Path, default=[], help="train.py run directories to list")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA device")
+    require_cuda(parser)
     missing = [str(path) for path in args.runs if not (path / "metrics.jsonl").exists()]
     if missing:
         parser.error(f"no metrics.jsonl in {', '.join(missing)}")

@@ -6,6 +6,7 @@ scripts can be re-run independently without clobbering each other's results.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import re
 from pathlib import Path
@@ -14,6 +15,20 @@ import torch
 
 BENCHMARKS_DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 _TITLE = "# Benchmarks\n\nEach section is written by the script named in it; re-run it to refresh.\n"
+
+
+def benchmark_arguments(doc: str) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark script: described by the first paragraph of the
+    script's docstring ``doc``, with the ``--no-write`` flag every script takes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    return parser
+
+
+def require_cuda(parser: argparse.ArgumentParser) -> None:
+    """Exits through ``parser`` with a usage error where no CUDA device is available."""
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
 
 
 def environment_line() -> str:
