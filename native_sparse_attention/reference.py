@@ -230,8 +230,8 @@ def selected_attend(
     if n == 0:
         return q.new_zeros(b, hq, m, d), torch.full((b, hq, m), float("-inf"), dtype=dtype, device=q.device)
     # Logits of every (query, key) pair, then those of the key sets gathered from them:
-    # gathering the keys themselves would hold d values per key set entry, which at
-    # 17 blocks of 64 keys outgrows the [m, n] logits whenever n < 17 * 64 * d.
+    # gathered keys would hold d numbers for each of a query's (1 + sel) * block_size key
+    # set entries, more than its n logits while n < d * (1 + sel) * block_size.
     hk = k.shape[1]
     all_logits = _grouped_matmul(q.to(dtype), k.to(dtype).transpose(-1, -2))
     all_logits = all_logits.view(b, hk, hq // hk, m, n)
