@@ -5,7 +5,7 @@ layer's CUDA path, the decoding path) is tested against. They favour clarity ove
 run on any device and in any floating dtype (half inputs are computed in float32,
 float64 inputs stay in float64), and are the layer's CPU path. Each holds the ``[m, n]``
 logits of every query head (never per-query copies of keys or values), so memory grows
-as ``hq * m * n``.
+at most as ``hq * m * n``.
 
 Shared conventions
 ------------------
