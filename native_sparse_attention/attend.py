@@ -43,6 +43,7 @@ def native_sparse_attend(
     sliding_window_size: int | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    q_offset: int = 0,
 ):
     """Attention of each query over its own block and its selected key blocks.
 
@@ -59,6 +60,11 @@ def native_sparse_attend(
     fp16, bf16 and fp32 are computed natively (products in the input dtype, accumulation
     in float32).
 
+    ``q_offset`` continues a sequence, as a decoding step does: q then holds the last m
+    positions ``q_offset .. q_offset + m - 1`` of the ``n = q_offset + m`` keys (q, the
+    selection tensors and the outputs have m rows), and i above is the position. It runs
+    without gradients only.
+
     Returns ``out`` [b, hq, n, d]; with ``return_sliding_window_out``, ``(out, sliding_out)``
     where ``sliding_out`` is sliding-window attention of the same q, k, v over the keys
     with ``0 <= i - j <= w`` (``|i - j| <= w`` when not ``include_block_causal``),
@@ -68,7 +74,7 @@ def native_sparse_attend(
     """
     _validate(
         q, k, v, block_size, selected_block_indices, fmask, sel_scale,
-        include_block_causal, return_sliding_window_out, sliding_window_size, scale, return_lse,
+        include_block_causal, return_sliding_window_out, sliding_window_size, scale, return_lse, q_offset,
     )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     window = None
@@ -80,17 +86,19 @@ def native_sparse_attend(
 
         out, sliding_out, lse = selection_attention(
             q, k, v, block_size, selected_block_indices, fmask, sel_scale,
-            include_block_causal, window, scale,
+            include_block_causal, window, scale, int(q_offset),
         )
     else:
         out, lse = selected_attend(
             q, k, v, block_size, selected_block_indices, fmask, sel_scale,
-            include_block_causal=include_block_causal, scale=scale,
+            include_block_causal=include_block_causal, scale=scale, q_offset=q_offset,
         )
         lse = lse.float()
         sliding_out = None
         if window is not None:
-            sliding_out, _ = sliding_window_attend(q, k, v, window, causal=include_block_causal, scale=scale)
+            sliding_out, _ = sliding_window_attend(
+                q, k, v, window, causal=include_block_causal, scale=scale, q_offset=q_offset
+            )
 
     outputs = (out,) + ((sliding_out,) if window is not None else ()) + ((lse,) if return_lse else ())
     return outputs[0] if len(outputs) == 1 else outputs
@@ -104,7 +112,7 @@ def _use_kernels(q: torch.Tensor) -> bool:
 
 def _validate(
     q, k, v, block_size, indices, fmask, sel_scale,
-    include_block_causal, return_sliding_window_out, sliding_window_size, scale, return_lse,
+    include_block_causal, return_sliding_window_out, sliding_window_size, scale, return_lse, q_offset,
 ) -> None:
     tensors = {"q": q, "k": k, "v": v, "selected_block_indices": indices, "fmask": fmask}
     if sel_scale is not None:
@@ -130,10 +138,23 @@ def _validate(
         if t.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
 
+    if not isinstance(q_offset, numbers.Integral) or isinstance(q_offset, bool):
+        raise TypeError(f"q_offset must be an int, got {type(q_offset).__name__}")
+    if q_offset < 0:
+        raise ValueError(f"q_offset must be >= 0, got {q_offset}")
+    if q_offset and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sel_scale) if t is not None):
+        raise ValueError(
+            f"q_offset={q_offset} runs without gradients only (decoding, or prefills that continue a cache): "
+            "call it under torch.no_grad() or with inputs that do not require grad"
+        )
+
     b, hq, n, d = q.shape
     hk = k.shape[1]
-    if k.shape[0] != b or k.shape[2] != n or k.shape[3] != d:
-        raise ValueError(f"k must be [b, hk, n, d] = [{b}, hk, {n}, {d}] to match q, got {tuple(k.shape)}")
+    if k.shape[0] != b or k.shape[2] != q_offset + n or k.shape[3] != d:
+        raise ValueError(
+            f"k must be [b, hk, q_offset + n, d] = [{b}, hk, {q_offset + n}, {d}] to match q and q_offset, "
+            f"got {tuple(k.shape)}"
+        )
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     if hk == 0 or hq % hk:

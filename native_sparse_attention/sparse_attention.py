@@ -415,11 +415,12 @@ class SparseAttention(nn.Module):
         )
         return out
 
-    def _kernel_compressed_branch(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor):
+    def _kernel_compressed_branch(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_offset: int = 0):
         """Fast path of the compressed branch and the block selection (Triton kernels).
 
-        q: [b, hq, n, d], ck, cv: [b, hk, nc, d] -> (out [b, hq, n, d], BlockSelection).
-        The selection's scores are differentiable when ``use_diff_topk`` needs them.
+        q: [b, hq, m, d] at positions ``q_offset ..``, ck, cv: [b, hk, nc, d]
+        -> (out [b, hq, m, d], BlockSelection). The selection's scores are differentiable
+        when ``use_diff_topk`` needs them (and ``q_offset`` is 0).
         """
         from native_sparse_attention.kernels.compressed import compressed_attend_and_select
 
@@ -427,21 +428,22 @@ class SparseAttention(nn.Module):
         out, _, selection = compressed_attend_and_select(
             q, ck_all, cv_all, self.compress_block_size, self.compress_stride, self.num_mem,
             self.selection_block_size, self.num_selected_blocks, causal=self.causal,
-            share_selection=self.share_selection, scores_require_grad=self.use_diff_topk,
+            share_selection=self.share_selection, scores_require_grad=self.use_diff_topk, q_offset=q_offset,
         )
         if self.recorder is not None:
             self._record(selected_indices=selection.indices, selected_mask=selection.mask)
         return out, selection
 
-    def _kernel_branches(self, rq, rk, v, selection: BlockSelection):
+    def _kernel_branches(self, rq, rk, v, selection: BlockSelection, q_offset: int = 0):
         """Selected and sliding branches from one launch of the Triton selection kernel:
-        rq: [b, hq, n, d], rk, v: [b, hk, n, d] (any strides) -> two [b, hq, n, d]."""
+        rq: [b, hq, m, d] at positions ``q_offset ..``, rk, v: [b, hk, q_offset + m, d]
+        (any strides) -> two [b, hq, m, d]."""
         from native_sparse_attention.attend import native_sparse_attend
 
         return native_sparse_attend(
             rq, rk, v, self.selection_block_size, selection.indices, selection.mask,
             sel_scale=self._selection_scale(selection), include_block_causal=self.causal,
-            return_sliding_window_out=True, sliding_window_size=self.sliding_window_size,
+            return_sliding_window_out=True, sliding_window_size=self.sliding_window_size, q_offset=q_offset,
         )
 
     def _flex_branches(self, rq, rk, v, selection: BlockSelection):
@@ -539,20 +541,29 @@ class SparseAttention(nn.Module):
         """x: [b, 1, dim], the token at position ``cache.seq_len`` -> (out [b, 1, dim], cache)."""
         self._check_cache(x, cache)
         position = cache.seq_len
+        fast = self.use_triton_kernel and self._use_fast_path(x)
         x_normed = self.norm(x)
+        if fast:
+            x_normed = _in_autocast_dtype(x_normed)
         q, k, v, rq, rk, gates = self._project(x_normed, offset=position, fold_gates=False)
         keys = torch.cat((cache.keys, rk), dim=2)
         values = torch.cat((cache.values, v), dim=2)
+        ck, cv = cache.compressed_keys, cache.compressed_values
 
         # Every cached compressed block ends before this token, so all are visible to it.
-        compressed_out, selection = self._compressed_branch(
-            q, cache.compressed_keys, cache.compressed_values, q_offset=position
-        )
-        selected_out = self._selected_branch(rq, keys, values, selection, q_offset=position)
-        sliding_out, _ = sliding_window_attend(
-            rq, keys, values, self.sliding_window_size, causal=True, q_offset=position
-        )
-        out = self._combine(gates, compressed_out, selected_out, sliding_out)
+        # The kernels take queries past position 0 without gradients only, and one dtype.
+        tensors = (q, rq, keys, values, ck, cv)
+        if fast and not any(t.requires_grad for t in tensors) and len({t.dtype for t in tensors}) == 1:
+            compressed_out, selection = self._kernel_compressed_branch(q, ck, cv, q_offset=position)
+            selected_out, sliding_out = self._kernel_branches(rq, keys, values, selection, q_offset=position)
+        else:
+            compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=position)
+            selected_out = self._selected_branch(rq, keys, values, selection, q_offset=position)
+            sliding_out, _ = sliding_window_attend(
+                rq, keys, values, self.sliding_window_size, causal=True, q_offset=position
+            )
+            fast = False
+        out = self._combine(gates, compressed_out, selected_out, sliding_out, fused=fast)
         return out, self._advance_cache(cache, keys, values, k, v)
 
     def _advance_cache(self, cache, keys, values, k, v) -> SparseAttentionCache:

@@ -203,6 +203,56 @@ def test_score_gradients_match_reference(case):
     check_against_reference(*case, seed=5, score_grad=True)
 
 
+def check_continuation(b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, share, offset,
+                       dtype=torch.float32, seed=0):
+    """The last ``n - offset`` queries against every compressed key of the n tokens, with
+    ``q_offset=offset`` (a decoding step or a chunk that continues a cache), against the
+    reference at the same positions."""
+    q, ck, cv = make_inputs(b, hq, hk, n, d, cbs, stride, num_mem, dtype, seed)
+    q = q[:, :, offset:]
+    with torch.no_grad():
+        out, lse, selection = compressed_attend_and_select(
+            q, ck, cv, cbs, stride, num_mem, sbs, top, causal=causal, share_selection=share,
+            q_offset=offset,
+        )
+    ref_out, ref_lse, probs = compressed_attend(q.double(), ck.double(), cv.double(), cbs, stride,
+                                                num_mem, causal=causal, q_offset=offset,
+                                                return_probs=True)
+    nc, nsel = ck.shape[2] - num_mem, num_selection_blocks(n, sbs)
+    scores = selection_block_scores(probs[..., num_mem:], cbs, stride, sbs, nsel,
+                                    kv_heads=hk if share else None)
+    selectable = selectable_blocks(n - offset, offset, nc, cbs, stride, sbs, nsel, causal, q.device)
+    tol, tie_tol, score_tol = tolerances(dtype)
+    assert_close_scaled(out, ref_out, tol)
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=tol * 10, rtol=tol)
+    assert selection.indices.shape == (b, hk if share else hq, n - offset, top)
+    assert_selection_matches(selection, scores, selectable, top, tie_tol, score_tol)
+
+
+# b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, share, offset
+CONTINUATION_CASES = {
+    "decode_step": (1, 4, 2, 97, 16, 8, 4, 1, 16, 3, True, True, 96),
+    "decode_step_per_head_no_memory": (2, 2, 1, 64, 32, 8, 4, 0, 8, 4, True, False, 63),
+    "decode_step_first_block": (1, 2, 1, 9, 16, 8, 4, 1, 4, 2, True, True, 8),
+    "chunk_across_blocks": (1, 4, 1, 75, 16, 8, 4, 2, 16, 2, True, True, 51),
+    "non_causal_chunk": (1, 2, 2, 40, 16, 4, 2, 1, 8, 3, False, True, 17),
+}
+
+
+@pytest.mark.parametrize("case", CONTINUATION_CASES.values(), ids=CONTINUATION_CASES.keys())
+def test_queries_continuing_a_sequence_match_reference(case):
+    check_continuation(*case)
+
+
+def test_query_offset_refuses_gradients():
+    q, ck, cv = make_inputs(1, 2, 1, 40, 16, 8, 4, 1, torch.float32, seed=2)
+    q = q[:, :, 30:].requires_grad_()
+    with pytest.raises(ValueError, match="q_offset"):
+        compressed_attend_and_select(q, ck, cv, 8, 4, 1, 16, 2, q_offset=30)
+
+
 def test_selection_chunks_of_32_blocks(monkeypatch):
     """The scoring tiles CUDA uses (64+ compressed keys) can hold 32 selection blocks per
     chunk: padded lanes, several chunks per row, the top-n merged across them."""
@@ -276,6 +326,7 @@ def test_selection_runs_without_grad_and_matches_cpu_fallback(monkeypatch):
         (dict(num_mem=5), "num_mem"),
         (dict(num_selected=-1), "num_selected"),
         (dict(selection_block_size=2.0), "selection_block_size"),
+        (dict(q_offset=-1), "q_offset"),
     ],
 )
 def test_invalid_arguments_name_the_argument(change, name):

@@ -239,6 +239,54 @@ def test_matches_reference(case, monkeypatch):
         assert empty.any(), "the matrix must contain rows without keys"
 
 
+# case, q_offset: the last n - q_offset queries of the case, as a decoding step (one query)
+# or a chunk that continues a cache would run them.
+CONTINUATIONS = {
+    "decode_step_group3_sliding": (Case(hq=6, hk=2, n=37, d=48, window=20), 36),
+    "decode_step_group16_own_launch_window": (Case(hq=16, hk=1, n=70, d=32, num_slots=2, window=24,
+                                                   dtype=torch.float16), 69),
+    "chunk_per_query_head": (Case(hq=2, hk=1, n=50, per_query_head=True, window=9), 21),
+    "chunk_window_tiles_group3": (Case(hq=6, hk=2, n=37, d=16, num_slots=2, window=9,
+                                       launch=(("window_rows", 16), ("window_n", 16))), 14),
+    "non_causal_chunk": (Case(hq=2, hk=1, n=40, d=16, causal=False, window=7), 25),
+}
+
+
+@pytest.mark.parametrize("case, q_offset", CONTINUATIONS.values(), ids=CONTINUATIONS.keys())
+def test_queries_continuing_a_sequence_match_reference(case, q_offset, monkeypatch):
+    if case.launch:
+        monkeypatch.setattr(selection_kernels, "default_launch_config",
+                            lambda *_, **__: LaunchConfig(**dict(case.launch)))
+    q, k, v, indices, fmask, sel_scale = make_inputs(case, seed=7)
+    rows = slice(q_offset, None)
+    q, indices, fmask, sel_scale = q[:, :, rows], indices[:, :, rows], fmask[:, :, rows], sel_scale[:, :, rows]
+    with torch.no_grad():
+        out, sliding, lse = native_sparse_attend(
+            q, k, v, case.block_size, indices, fmask, sel_scale=sel_scale, include_block_causal=case.causal,
+            return_sliding_window_out=True, sliding_window_size=case.window, return_lse=True, q_offset=q_offset,
+        )
+    q64, k64, v64, s64 = (t.detach().double() for t in (q, k, v, sel_scale))
+    ref_out, ref_lse = selected_attend(q64, k64, v64, case.block_size, indices, fmask, s64,
+                                       include_block_causal=case.causal, q_offset=q_offset)
+    ref_sliding, _ = sliding_window_attend(q64, k64, v64, case.window, causal=case.causal, q_offset=q_offset)
+    tol = tolerance(case.dtype)
+    assert out.shape == sliding.shape == q.shape and lse.shape == q.shape[:3]
+    assert_close_scaled(out, ref_out, tol, "out")
+    assert_close_scaled(sliding, ref_sliding, tol, "sliding_out")
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=tol * 10, rtol=tol)
+
+
+def test_query_offset_refuses_gradients():
+    kwargs = _valid_arguments()
+    kwargs.update(q=torch.zeros(1, 4, 2, 16, requires_grad=True),
+                  selected_block_indices=torch.zeros(1, 2, 2, 2, dtype=torch.long),
+                  fmask=torch.ones(1, 2, 2, 2, dtype=torch.bool), sel_scale=None, q_offset=30)
+    with pytest.raises(ValueError, match="q_offset"):
+        native_sparse_attend(**kwargs)
+
+
 def test_sliding_out_alone_defaults_to_block_size_window():
     """Only the sliding output gets a gradient (the selection's is materialised as zeros),
     the window defaults to block_size, and the selection's LSE is the reference's."""
@@ -342,6 +390,9 @@ INVALID = {
     "scale_string": (dict(scale="0.1"), TypeError, "scale"),
     "causal_not_bool": (dict(include_block_causal=1), TypeError, "include_block_causal"),
     "return_lse_not_bool": (dict(return_lse=None), TypeError, "return_lse"),
+    "q_offset_negative": (dict(q_offset=-1), ValueError, "q_offset"),
+    "q_offset_float": (dict(q_offset=1.0), TypeError, "q_offset"),
+    "q_offset_beyond_keys": (dict(q_offset=1), ValueError, "k must be"),
 }
 
 

@@ -5,14 +5,17 @@ Notation (the one PyTorch's FlexAttention templates use, plus NSA's geometry)
 Q: queries ``[Z, HQ, M, D]``; K, V: compressed keys / values ``[Z, HKV, N, D]``;
 OUT: ``[Z, HQ, M, D]``; LSE: natural log-sum-exp of the scaled logits, ``[Z, HQ, M]`` fp32.
 Z: batch size. HQ, HKV: query / key-value heads. GQA_SHARED_HEADS = HQ // HKV query heads
-read one kv head. M: query length; query row ``r`` sits at token position ``r``.
+read one kv head. M: query length; query row ``r`` sits at token position ``Q_START + r``
+(``Q_START`` > 0 only in the forward kernels: decoding steps and prefills that continue a
+cache).
 N = NUM_MEM + NC keys: NUM_MEM learned memory keys (seen by every query), then NC
 compressed keys. D: head dim (HEAD_DIM), padded to the power of two BLOCK_D.
 CBS, STRIDE: compressed key ``c`` summarises tokens ``[c * STRIDE, c * STRIDE + CBS)``.
-Causal: row ``r`` sees compressed key ``c`` iff its last token ``c * STRIDE + CBS - 1 < r``,
-so the visible compressed keys are the prefix ``c < num_visible(r)``.
+Causal: the query at position ``t`` sees compressed key ``c`` iff its last token
+``c * STRIDE + CBS - 1 < t``, so the visible compressed keys are the prefix
+``c < num_visible(t)``.
 SBS: selection block size; selection block ``j`` covers tokens ``[j * SBS, (j + 1) * SBS)``;
-NSEL = ceil(M / SBS). TOPN: blocks selected per query. HS: selection heads (HKV when a
+NSEL = ceil((Q_START + M) / SBS). TOPN: blocks selected per query. HS: selection heads (HKV when a
 group shares its selection, HQ otherwise); HEADS_PER_SELECTION query heads score each one.
 BLOCK_M: query tile; BLOCK_N: key tile; BLOCK_C: compressed keys per scoring tile;
 BLOCK_S: lanes of a chunk of selection blocks, S_STEP of them used.
@@ -53,6 +56,7 @@ against 2.88.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -94,13 +98,13 @@ _MAX_HEAD_DIM = 128
 
 
 @triton.jit
-def _num_visible(rows, NC, CBS, STRIDE, IS_CAUSAL: tl.constexpr):
-    """Number of compressed keys (a prefix) each query row may attend."""
+def _num_visible(positions, NC, CBS, STRIDE, IS_CAUSAL: tl.constexpr):
+    """Number of compressed keys (a prefix) the queries at ``positions`` may attend."""
     if IS_CAUSAL:
         # Clamp before dividing: integer division truncates toward zero.
-        return tl.minimum(tl.maximum(rows - CBS + STRIDE, 0) // STRIDE, NC)
+        return tl.minimum(tl.maximum(positions - CBS + STRIDE, 0) // STRIDE, NC)
     else:
-        return rows * 0 + NC
+        return positions * 0 + NC
 
 
 @triton.jit
@@ -144,14 +148,14 @@ def _load_lse_log2(lse_ptr, rows, M):
 
 
 @triton.jit
-def _query_key_ranges(m_start, M, NUM_MEM, NC, CBS, STRIDE, BLOCK_M: tl.constexpr,
+def _query_key_ranges(m_start, M, Q_START, NUM_MEM, NC, CBS, STRIDE, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Key loop bounds for the query tile starting at ``m_start``: tiles below
+    """Key loop bounds for the query tile starting at row ``m_start``: tiles below
     ``full_end`` are visible to every row, tiles in ``[full_end, keys_end)`` need a mask."""
     first_row = m_start
     last_row = tl.minimum(m_start + BLOCK_M, M) - 1
-    full_keys = NUM_MEM + _num_visible(first_row, NC, CBS, STRIDE, IS_CAUSAL)
-    keys_end = NUM_MEM + _num_visible(last_row, NC, CBS, STRIDE, IS_CAUSAL)
+    full_keys = NUM_MEM + _num_visible(Q_START + first_row, NC, CBS, STRIDE, IS_CAUSAL)
+    keys_end = NUM_MEM + _num_visible(Q_START + last_row, NC, CBS, STRIDE, IS_CAUSAL)
     return full_keys // BLOCK_N * BLOCK_N, keys_end
 
 
@@ -187,7 +191,7 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit, qk_scale,
 def _attention_fwd_kernel(
     Q_TILES, K_TILES, V_TILES, OUT, LSE,
     stride_oz, stride_oh, stride_om,
-    HQ, M, N, NUM_MEM, CBS, STRIDE, qk_scale,
+    HQ, M, Q_START, N, NUM_MEM, CBS, STRIDE, qk_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -197,8 +201,8 @@ def _attention_fwd_kernel(
     kv_head = h // GQA_SHARED_HEADS
 
     rows = m_start + tl.arange(0, BLOCK_M)
-    key_limit = NUM_MEM + _num_visible(rows, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
-    full_end, keys_end = _query_key_ranges(m_start, M, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
+    key_limit = NUM_MEM + _num_visible(Q_START + rows, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
+    full_end, keys_end = _query_key_ranges(m_start, M, Q_START, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
                                            BLOCK_M, BLOCK_N, IS_CAUSAL)
     q = _load_tile(Q_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -479,7 +483,7 @@ def _attention_bwd_dq_kernel(
         delta += pg
         tl.store(delta_ptr + rows, delta, mask=rows < M)
 
-    full_end, keys_end = _query_key_ranges(m_start, M, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
+    full_end, keys_end = _query_key_ranges(m_start, M, 0, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
                                            BLOCK_M, BLOCK_N, IS_CAUSAL)
     for key_start in range(0, full_end, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
@@ -559,7 +563,7 @@ def _select_blocks_kernel(
     Q, K, LSE, INDICES, MASK, SCORES,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
-    HS, M, N, NUM_MEM, CBS, STRIDE, SBS, NSEL, qk_scale,
+    HS, M, Q_START, N, NUM_MEM, CBS, STRIDE, SBS, NSEL, qk_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, TOPN: tl.constexpr, TOPN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -576,12 +580,12 @@ def _select_blocks_kernel(
     lse_ptr = LSE + (z.to(tl.int64) * HS * HEADS_PER_SELECTION + first_head) * M
 
     rows = m_start + tl.arange(0, BLOCK_M)
-    visible = _num_visible(rows, NC, CBS, STRIDE, IS_CAUSAL)
+    visible = _num_visible(Q_START + rows, NC, CBS, STRIDE, IS_CAUSAL)
     # Candidates: blocks overlapping a visible compressed key, i.e. starting before the
     # end of the last visible one; never the query's own block in causal mode.
     block_limit = tl.where(visible > 0, ((visible - 1) * STRIDE + CBS + SBS - 1) // SBS, 0)
     block_limit = tl.where(rows < M, tl.minimum(block_limit, NSEL), 0)
-    own_block = rows // SBS
+    own_block = (Q_START + rows) // SBS
 
     lanes = tl.arange(0, BLOCK_S)
     top = tl.zeros([BLOCK_M, TOPN_PAD], dtype=tl.int64)
@@ -648,6 +652,8 @@ class _Geometry:
     selection_block_size: int
     num_selected: int
     share_selection: bool
+    # Position of query row 0; the backward kernels assume 0.
+    q_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -691,6 +697,9 @@ _CUDA_LAUNCH_WIDE_ROWS = {
     "select": _Launch(64, 128, 4, 2),
     "select_one_head": _Launch(64, 128, 4, 2),  # not timed apart at these widths
 }
+# Decoding steps and other launches of at most this many query rows take tiles of
+# _FEW_ROWS rows: a full tile would spend its dots and exponentials on padding.
+_FEW_ROWS = 16
 # Most selection blocks scored per chunk: more lanes mean fewer top-n merges per row, but
 # each merge then works on a wider [BLOCK_M, BLOCK_S] candidate tile.
 _MAX_SELECTION_LANES = 32
@@ -704,7 +713,10 @@ def _launch(kernel: str, q: torch.Tensor) -> _Launch:
         # Interpreter: small tiles so that short test sequences still span several tiles.
         return _Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
     wide_rows = _block_d(q.shape[-1]) * q.element_size() > 128
-    return (_CUDA_LAUNCH_WIDE_ROWS if wide_rows else _CUDA_LAUNCH)[kernel]
+    tiles = (_CUDA_LAUNCH_WIDE_ROWS if wide_rows else _CUDA_LAUNCH)[kernel]
+    if q.shape[2] <= _FEW_ROWS:
+        return dataclasses.replace(tiles, block_m=_FEW_ROWS, num_warps=min(tiles.num_warps, 4))
+    return tiles
 
 
 def _dkdv_query_splits(programs: int, row_tiles: int, device: torch.device) -> int:
@@ -747,7 +759,7 @@ def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.T
     _attention_fwd_kernel[grid](
         row_tiles(q, tiles.block_m, block_d), row_tiles(ck, tiles.block_n, block_d),
         row_tiles(cv, tiles.block_n, block_d), out, lse, *head_strides(out),
-        hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
+        hq, n, geo.q_offset, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
         geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=block_d,
         **_launch_meta(tiles),
@@ -786,6 +798,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     """
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
+    assert geo.q_offset == 0, "the backward kernels take queries at positions 0 .. n - 1"
     has_score_grad = score_grad is not None
     dq_tiles = _launch("backward_dq", q)
     dkdv_tiles = _launch("backward_dkdv_scores" if has_score_grad else "backward_dkdv", q)
@@ -858,8 +871,8 @@ def _chunk_layout(compress_block_size, compress_stride, selection_block_size, bl
 def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
     """Top-``num_selected`` selection blocks per query from the forward's ``lse``.
 
-    q: [b, hq, n, d], ck: [b, hk, N, d], lse: [b, hq, n] -> BlockSelection of
-    [b, hs, n, num_selected] tensors.
+    q: [b, hq, n, d] (at positions ``geo.q_offset ..``), ck: [b, hk, N, d], lse: [b, hq, n]
+    -> BlockSelection of [b, hs, n, num_selected] tensors.
     """
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
@@ -878,8 +891,8 @@ def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
     _select_blocks_kernel[grid](
         q, ck, lse, indices, mask, scores,
         *head_strides(q), *head_strides(ck),
-        hs, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
-        geo.selection_block_size, num_selection_blocks(n, geo.selection_block_size),
+        hs, n, geo.q_offset, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
+        geo.selection_block_size, num_selection_blocks(geo.q_offset + n, geo.selection_block_size),
         geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEADS_PER_SELECTION=hq // hs, HEAD_DIM=d,
         IS_CAUSAL=geo.causal, TOPN=geo.num_selected,
@@ -905,11 +918,11 @@ def _fake_attend_and_select(q, ck, cv, *geometry):
 def _attend_and_select_forward(
     q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, compress_block_size: int,
     compress_stride: int, num_mem: int, causal: bool, scale: float, selection_block_size: int,
-    num_selected: int, share_selection: bool,
+    num_selected: int, share_selection: bool, q_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out, lse, indices, mask, scores); the arguments after cv are _Geometry's fields."""
     geo = _Geometry(compress_block_size, compress_stride, num_mem, causal, scale,
-                    selection_block_size, num_selected, share_selection)
+                    selection_block_size, num_selected, share_selection, q_offset)
     out, lse = _attention_forward(q, ck, cv, geo)
     return (out, lse, *_select(q, ck, lse, geo))
 
@@ -925,12 +938,12 @@ def _attend_and_select_backward(
     cv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, indices: torch.Tensor,
     mask: torch.Tensor, compress_block_size: int, compress_stride: int, num_mem: int,
     causal: bool, scale: float, selection_block_size: int, num_selected: int,
-    share_selection: bool,
+    share_selection: bool, q_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dck, dcv, delta) from the gradients of out and of the selection scores;
     delta: ``_attention_backward``'s."""
     geo = _Geometry(compress_block_size, compress_stride, num_mem, causal, scale,
-                    selection_block_size, num_selected, share_selection)
+                    selection_block_size, num_selected, share_selection, q_offset)
     dout = torch.zeros_like(out) if dout is None else unit_stride_last(dout)
     score_grad = None
     if dscores is not None and dscores.numel() > 0:
@@ -975,18 +988,18 @@ def _reference_attend_and_select(q, ck, cv, geo: _Geometry):
     """The CPU path: the PyTorch reference, which materialises [n, nc] probabilities."""
     out, lse, probs = compressed_attend(
         q, ck, cv, geo.compress_block_size, geo.compress_stride, geo.num_mem,
-        causal=geo.causal, scale=geo.scale, return_probs=True,
+        causal=geo.causal, scale=geo.scale, q_offset=geo.q_offset, return_probs=True,
     )
     hk, num_keys = ck.shape[1], ck.shape[2]
     n = q.shape[2]
     num_compressed = num_keys - geo.num_mem
-    num_selection = num_selection_blocks(n, geo.selection_block_size)
+    num_selection = num_selection_blocks(geo.q_offset + n, geo.selection_block_size)
     scores = selection_block_scores(
         probs[..., geo.num_mem:], geo.compress_block_size, geo.compress_stride,
         geo.selection_block_size, num_selection, kv_heads=hk if geo.share_selection else None,
     )
     selectable = selectable_blocks(
-        n, 0, num_compressed, geo.compress_block_size, geo.compress_stride,
+        n, geo.q_offset, num_compressed, geo.compress_block_size, geo.compress_stride,
         geo.selection_block_size, num_selection, geo.causal, q.device,
     )
     selection = select_blocks(scores.float(), selectable, geo.num_selected)
@@ -1003,7 +1016,7 @@ def _check_positive(name: str, value, minimum: int = 1) -> None:
 
 
 def _validate(q, ck, cv, compress_block_size, compress_stride, num_mem,
-              selection_block_size, num_selected, scale) -> None:
+              selection_block_size, num_selected, scale, q_offset) -> None:
     for name, t in (("q", q), ("ck", ck), ("cv", cv)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-d tensor [b, h, len, d], got "
@@ -1039,6 +1052,12 @@ def _validate(q, ck, cv, compress_block_size, compress_stride, num_mem,
         raise ValueError(f"num_mem={num_mem} exceeds ck's {ck.shape[2]} keys")
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    _check_positive("q_offset", q_offset, minimum=0)
+    if q_offset and torch.is_grad_enabled() and any(t.requires_grad for t in (q, ck, cv)):
+        raise ValueError(
+            f"q_offset={q_offset} runs without gradients only (decoding, or prefills that continue "
+            "a cache): call it under torch.no_grad() or with inputs that do not require grad"
+        )
 
 
 def compressed_attend_and_select(
@@ -1054,11 +1073,14 @@ def compressed_attend_and_select(
     share_selection: bool = True,
     scale: float | None = None,
     scores_require_grad: bool = True,
+    q_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, BlockSelection]:
     """Compressed-branch attention and the selection blocks it ranks, without ever
     materialising the ``[n, nc]`` probabilities.
 
-    q: [b, hq, n, d] for queries at positions ``0 .. n - 1``; ck, cv: [b, hk, num_mem + nc, d]
+    q: [b, hq, n, d] for queries at positions ``q_offset .. q_offset + n - 1`` (a
+    ``q_offset`` above 0, for decoding steps, runs without gradients only);
+    ck, cv: [b, hk, num_mem + nc, d]
     (memory keys first; compressed key ``c`` covers tokens
     ``[c * compress_stride, c * compress_stride + compress_block_size)``,
     ``compress_stride <= compress_block_size``), all of one dtype among bf16 / fp16 / fp32,
@@ -1079,10 +1101,10 @@ def compressed_attend_and_select(
     materialise ``[b, hq, n, nc]``.
     """
     _validate(q, ck, cv, compress_block_size, compress_stride, num_mem,
-              selection_block_size, num_selected, scale)
+              selection_block_size, num_selected, scale, q_offset)
     geometry = (compress_block_size, compress_stride, num_mem, bool(causal),
                 float(q.shape[-1] ** -0.5 if scale is None else scale),
-                selection_block_size, num_selected, bool(share_selection))
+                selection_block_size, num_selected, bool(share_selection), q_offset)
     geo = _Geometry(*geometry)
     if not _use_kernels(q.device):
         out, lse, selection = _reference_attend_and_select(q, ck, cv, geo)

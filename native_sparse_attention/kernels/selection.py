@@ -5,6 +5,9 @@ Notation (in the style of PyTorch's FlexAttention templates)
 Q: query, K: key, V: value, O: output, DO: gradient of O, LSE: natural-log log-sum-exp
 Z: batch size, HQ: query heads, HKV: kv heads, HS: selection heads (HKV or HQ)
 N: sequence length (queries and keys alike), D: head dim
+M, Q_START (forward only): queries and the position of the first; query row r sits at
+    position Q_START + r, and the keys at 0 .. N - 1 (Q_START + M <= N). The backward
+    takes M = N and Q_START = 0.
 D_PAD: D rounded up to a power of two (at least 16); the padded columns are masked
 GQA_SHARED_HEADS: query heads per kv head (HQ // HKV)
 SEL_SHARED_HEADS: query heads that share one selection row (HQ // HS, so GQA_SHARED_HEADS
@@ -117,15 +120,15 @@ def _program_heads(SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexp
 
 
 @triton.jit
-def _window_rows(tile, first_head, N, SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+def _window_rows(tile, first_head, M, SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                  WINDOW_ROWS: tl.constexpr):
-    """Positions, query heads and existence of the rows of window tile ``tile``: row r is
-    head ``r % HEADS_PAD`` of the group at position ``tile * WINDOW_QUERIES + r // HEADS_PAD``."""
+    """Query rows, query heads and existence of the rows of window tile ``tile``: tile row
+    r is head ``r % HEADS_PAD`` of the group at query row ``tile * WINDOW_QUERIES + r // HEADS_PAD``."""
     WINDOW_QUERIES: tl.constexpr = WINDOW_ROWS // HEADS_PAD
     rows = tl.arange(0, WINDOW_ROWS)
     i = tile * WINDOW_QUERIES + rows // HEADS_PAD
     head_in_group = rows % HEADS_PAD
-    return i, first_head + head_in_group, (i < N) & (head_in_group < SEL_SHARED_HEADS)
+    return i, first_head + head_in_group, (i < M) & (head_in_group < SEL_SHARED_HEADS)
 
 
 @triton.jit
@@ -198,11 +201,11 @@ def _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE: tl.cons
 
 
 @triton.jit
-def _window_keys(tile, N, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_QUERIES: tl.constexpr,
+def _window_keys(tile, M, Q_START, N, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_QUERIES: tl.constexpr,
                  WINDOW_N: tl.constexpr):
     """The WINDOW_N-aligned start and the end of the keys any row of window tile ``tile`` sees."""
-    first_query = tile * WINDOW_QUERIES
-    last_query = tl.minimum(first_query + WINDOW_QUERIES, N) - 1
+    first_query = Q_START + tile * WINDOW_QUERIES
+    last_query = Q_START + tl.minimum(tile * WINDOW_QUERIES + WINDOW_QUERIES, M) - 1
     if CAUSAL:
         hi = last_query + 1
     else:
@@ -268,27 +271,29 @@ def _load_lse2(LSE, offsets, ok):
 
 @triton.jit
 def _selection_forward(
-    Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, i, z, sel_head, kv_head, first_head,
+    Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, r, z, sel_head, kv_head, first_head,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
-    N, HQ, HS, scale2,
+    M, Q_START, N, HQ, HS, scale2,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Selected attention of query position i for the program's ROWS query heads."""
+    """Selected attention of query row ``r`` (position ``Q_START + r``) for the program's
+    ROWS query heads."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
+    i = Q_START + r
     rows = tl.arange(0, ROWS)
     heads = first_head + rows
     row_ok = rows < SEL_SHARED_HEADS
     offs_n = tl.arange(0, FINE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q = _load_tile(Q, _strided_rows(z, heads, i, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
+    q = _load_tile(Q, _strided_rows(z, heads, r, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
     k_cols = K + _head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
     v_cols = V + _head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
-    sel_row = ((z.to(tl.int64) * HS + sel_head) * N + i) * SEL
+    sel_row = ((z.to(tl.int64) * HS + sel_head) * M + r) * SEL
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -303,8 +308,8 @@ def _selection_forward(
             q, k_cols, v_cols, pos, key_ok[None, :], key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
             scale2 * multiplier, m_i, l_i, acc, DOT_PRECISION,
         )
-    out_rows = _dense_rows(z, heads, i, HQ, N, D)
-    lse_rows = (z.to(tl.int64) * HQ + heads) * N + i
+    out_rows = _dense_rows(z, heads, r, HQ, M, D)
+    lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
     _store_attention(O, LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
 
 
@@ -314,23 +319,24 @@ def _window_forward(
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
-    N, HQ, scale2,
+    M, Q_START, N, HQ, scale2,
     SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``."""
-    i, heads, row_ok = _window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
+    r, heads, row_ok = _window_rows(tile, first_head, M, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
+    i = Q_START + r
     offs_n = tl.arange(0, WINDOW_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q = _load_tile(Q, _strided_rows(z, heads, i, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
+    q = _load_tile(Q, _strided_rows(z, heads, r, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
     k_cols = K + _head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
     v_cols = V + _head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
 
     m_i = tl.full([WINDOW_ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([WINDOW_ROWS], tl.float32)
     acc = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
-    first, hi = _window_keys(tile, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
+    first, hi = _window_keys(tile, M, Q_START, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
     for start in range(first, hi, WINDOW_N):
         pos = start + offs_n
         key_ok = pos < hi
@@ -338,8 +344,8 @@ def _window_forward(
             q, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
             key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, scale2, m_i, l_i, acc, DOT_PRECISION,
         )
-    out_rows = _dense_rows(z, heads, i, HQ, N, D)
-    lse_rows = (z.to(tl.int64) * HQ + heads) * N + i
+    out_rows = _dense_rows(z, heads, r, HQ, M, D)
+    lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
     _store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
 
 
@@ -349,7 +355,7 @@ def _fwd_kernel(
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
-    N, HQ, HS, NUM_WINDOW_TILES, sm_scale,
+    M, Q_START, N, HQ, HS, NUM_WINDOW_TILES, sm_scale,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr,
@@ -358,7 +364,7 @@ def _fwd_kernel(
     WINDOW_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Programs [0, NUM_WINDOW_TILES) of axis 0 run window tiles (only with SLIDING), the
-    others query position ``program_id(0) - NUM_WINDOW_TILES`` of the selection."""
+    others query row ``program_id(0) - NUM_WINDOW_TILES`` of the selection."""
     pid = tl.program_id(0)
     z, sel_head, kv_head, first_head = _program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     scale2 = sm_scale * LOG2E
@@ -367,13 +373,13 @@ def _fwd_kernel(
     if pid < NUM_WINDOW_TILES:
         if SLIDING:
             _window_forward(
-                Q, K, V, SWA_O, SWA_LSE, pid, z, kv_head, first_head, *strides, N, HQ, scale2,
+                Q, K, V, SWA_O, SWA_LSE, pid, z, kv_head, first_head, *strides, M, Q_START, N, HQ, scale2,
                 SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS, WINDOW_N, D, D_PAD, CAUSAL, WINDOW, DOT_PRECISION,
             )
     else:
         _selection_forward(
             Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, pid - NUM_WINDOW_TILES, z, sel_head, kv_head, first_head,
-            *strides, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS, ROWS, D, D_PAD,
+            *strides, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS, ROWS, D, D_PAD,
             CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
         )
 
@@ -519,7 +525,7 @@ def _window_dq_kernel(
     )
 
     dq = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
-    first, hi = _window_keys(tile, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
+    first, hi = _window_keys(tile, N, 0, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
     for start in range(first, hi, WINDOW_N):
         pos = start + offs_n
         key_ok = pos < hi
@@ -894,7 +900,7 @@ class _Problem:
     query_heads: int
     kv_heads: int
     selection_heads: int
-    seq_len: int
+    seq_len: int  # query rows
     head_dim: int
     num_slots: int
     block_size: int
@@ -903,6 +909,8 @@ class _Problem:
     scale: float
     has_sel_scale: bool
     config: LaunchConfig
+    num_keys: int
+    q_offset: int  # position of query row 0
 
     @cached_property  # read by every launch of a step; the host bounds short sequences
     def constexprs(self) -> dict:
@@ -996,7 +1004,7 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
         _fwd_kernel[(window_tiles + positions, problem.selection_heads, b)](
             q, k, v, sel_idx, sel_mask, sel_scale, out, lse, swa_out if sliding else out, swa_lse if sliding else lse,
             *_strides(q), *_strides(k), *_strides(v),
-            n, hq, problem.selection_heads, window_tiles, problem.scale,
+            n, problem.q_offset, problem.num_keys, hq, problem.selection_heads, window_tiles, problem.scale,
             **problem.constexprs,
             **window,
             SLIDING=window_tiles > 0,
@@ -1076,6 +1084,7 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
 
 def _backward(problem: _Problem, saved, d_out, d_swa_out):
     q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse = saved
+    assert problem.q_offset == 0 and problem.num_keys == problem.seq_len, "the backward takes queries at every key"
     b, hq, hk, n, d = problem.batch, problem.query_heads, problem.kv_heads, problem.seq_len, problem.head_dim
     hs, config = problem.selection_heads, problem.config
     sliding = problem.window is not None and d_swa_out is not None
@@ -1161,7 +1170,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
 
 
 def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, window: int | None,
-             scale: float) -> _Problem:
+             scale: float, q_offset: int = 0) -> _Problem:
     b, hq, n, d = q.shape
     hs = indices.shape[1]
     return _Problem(
@@ -1178,10 +1187,12 @@ def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, 
         scale=scale,
         has_sel_scale=has_sel_scale,
         config=default_launch_config(block_size, d, q.dtype, window is not None, shared_heads=hq // hs),
+        num_keys=k.shape[2],
+        q_offset=q_offset,
     )
 
 
-def _fake_forward(q, k, v, indices, fmask, sel_scale, block_size, causal, window, scale):
+def _fake_forward(q, k, v, indices, fmask, sel_scale, block_size, causal, window, scale, q_offset=0):
     b, hq, n, _ = q.shape
     lse = q.new_empty((b, hq, n), dtype=torch.float32)
     if window is None:
@@ -1193,9 +1204,10 @@ def _fake_forward(q, k, v, indices, fmask, sel_scale, block_size, causal, window
 def _launch_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, fmask: torch.Tensor,
     sel_scale: torch.Tensor | None, block_size: int, causal: bool, window: int | None, scale: float,
+    q_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (out, lse, swa_out, swa_lse); swa_out and swa_lse are empty when window is None."""
-    problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale)
+    problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale, q_offset)
     return _forward(problem, q, k, v, indices, fmask, sel_scale)
 
 
@@ -1224,9 +1236,9 @@ def _launch_backward(
 
 class _SelectionAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sel_scale, indices, fmask, block_size, causal, window, scale):
+    def forward(ctx, q, k, v, sel_scale, indices, fmask, block_size, causal, window, scale, q_offset):
         options = (block_size, causal, window, scale)
-        out, lse, swa_out, swa_lse = _launch_forward(q, k, v, indices, fmask, sel_scale, *options)
+        out, lse, swa_out, swa_lse = _launch_forward(q, k, v, indices, fmask, sel_scale, *options, q_offset)
         ctx.options = options
         ctx.save_for_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse)
         ctx.mark_non_differentiable(lse)
@@ -1237,7 +1249,7 @@ class _SelectionAttention(torch.autograd.Function):
         saved = ctx.saved_tensors
         dq, dk, dv, dsel, _, _ = _launch_backward(*saved, d_out, d_swa_out, *ctx.options)
         has_sel_scale = saved[5] is not None
-        return dq, dk, dv, (dsel if has_sel_scale else None), None, None, None, None, None, None
+        return dq, dk, dv, (dsel if has_sel_scale else None), None, None, None, None, None, None, None
 
 
 def selection_attention(
@@ -1251,16 +1263,18 @@ def selection_attention(
     include_block_causal: bool,
     sliding_window_size: int | None,
     scale: float,
+    q_offset: int = 0,
 ):
     """Selected attention (and, when ``sliding_window_size`` is given, sliding-window
-    attention) on the Triton kernels; differentiable in q, k, v and sel_scale.
+    attention) on the Triton kernels; differentiable in q, k, v and sel_scale when the
+    queries are at the keys' positions (``q_offset = 0``, m = n).
 
     Expects inputs already validated by ``native_sparse_attend``.
-    q: [b, hq, n, d], k, v: [b, hk, n, d]; selected_block_indices, fmask, sel_scale:
-    [b, hs, n, sel] with hs in {hk, hq}.
-    Returns (out [b, hq, n, d], sliding_out [b, hq, n, d] or None, lse [b, hq, n] float32).
+    q: [b, hq, m, d] at positions ``q_offset .. q_offset + m - 1``, k, v: [b, hk, n, d];
+    selected_block_indices, fmask, sel_scale: [b, hs, m, sel] with hs in {hk, hq}.
+    Returns (out [b, hq, m, d], sliding_out [b, hq, m, d] or None, lse [b, hq, m] float32).
     """
     return _SelectionAttention.apply(
         q, k, v, sel_scale, selected_block_indices, fmask, block_size, include_block_causal,
-        sliding_window_size, scale,
+        sliding_window_size, scale, q_offset,
     )
