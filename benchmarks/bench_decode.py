@@ -28,7 +28,7 @@ from benchmarks.report import (  # noqa: E402
 )
 
 CACHED_LENS = (4096, 16384, 65536)
-WARMUP_STEPS, TIMED_STEPS = 8, 32
+WARMUP_STEPS, TIMED_STEPS = 16, 32
 
 
 @dataclass

@@ -243,8 +243,9 @@ def test_matches_reference(case, monkeypatch):
 # or a chunk that continues a cache would run them.
 CONTINUATIONS = {
     "decode_step_group3_sliding": (Case(hq=6, hk=2, n=37, d=48, window=20), 36),
-    "decode_step_group16_own_launch_window": (Case(hq=16, hk=1, n=70, d=32, num_slots=2, window=24,
-                                                   dtype=torch.float16), 69),
+    "decode_step_group16_fp16": (Case(hq=16, hk=1, n=70, d=32, num_slots=2, window=24, dtype=torch.float16), 69),
+    # More than FEW_QUERIES queries: the 2-byte default's window launch of its own.
+    "chunk_own_window_launch_fp16": (Case(hq=8, hk=2, n=43, d=32, num_slots=2, window=13, dtype=torch.float16), 22),
     "chunk_per_query_head": (Case(hq=2, hk=1, n=50, per_query_head=True, window=9), 21),
     "chunk_window_tiles_group3": (Case(hq=6, hk=2, n=37, d=16, num_slots=2, window=9,
                                        launch=(("window_rows", 16), ("window_n", 16))), 14),

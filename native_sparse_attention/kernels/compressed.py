@@ -187,7 +187,12 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit, qk_scale,
     return acc, m_new, l_i
 
 
-@triton.jit
+# Lengths and positions change with every decoding step. Triton would compile a variant per
+# divisibility by 16 (and for the value 1) of each; no address in these kernels gains from it.
+_STEP_VARYING = ("M", "Q_START", "N")
+
+
+@triton.jit(do_not_specialize=_STEP_VARYING)
 def _attention_fwd_kernel(
     Q_TILES, K_TILES, V_TILES, OUT, LSE,
     stride_oz, stride_oh, stride_om,
@@ -558,7 +563,7 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=(*_STEP_VARYING, "NSEL"))
 def _select_blocks_kernel(
     Q, K, LSE, INDICES, MASK, SCORES,
     stride_qz, stride_qh, stride_qm,

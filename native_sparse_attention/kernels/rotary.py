@@ -88,7 +88,9 @@ def _half_rows(z, h, n_start, stride_z, stride_h, stride_n, stride_d, N,
     return offsets, (offs_n[:, None] < N) & (offs_j[None, :] < HALF)
 
 
-@triton.jit
+# Decoding steps rotate at a new offset every token: Triton would compile a variant per
+# divisibility by 16 of it, stalling the first steps that hit each.
+@triton.jit(do_not_specialize=("offset",))
 def _rotary_kernel(
     T, OUT, INV_FREQ,
     stride_tz, stride_th, stride_tn, stride_td,

@@ -85,7 +85,7 @@ Logits are computed in base 2: ``exp2(q.k * scale * sel * log2(e) - lse * log2(e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -99,6 +99,7 @@ __all__ = ["LaunchConfig", "default_launch_config", "selection_attention"]
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MIN_ROWS = 16  # tl.dot needs M, N and K of at least 16
+FEW_QUERIES = 16  # forwards of at most this many queries: see default_launch_config
 # Memory layouts of the [Z, HQ, N, D] rows that _dkv_kernel gathers (see _gathered_rows).
 ROWS_STRIDED = tl.constexpr(0)
 ROWS_HEADS_MAJOR = tl.constexpr(1)  # contiguous [Z, HQ, N, D]
@@ -349,7 +350,9 @@ def _window_forward(
     _store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
 
 
-@triton.jit
+# Decoding steps change M, Q_START and N with every token. Triton would compile a variant
+# per divisibility by 16 (and for the value 1) of each; no address here gains from it.
+@triton.jit(do_not_specialize=("M", "Q_START", "N"))
 def _fwd_kernel(
     Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, SWA_O, SWA_LSE,
     stride_qz, stride_qh, stride_qn, stride_qd,
@@ -824,9 +827,13 @@ class LaunchConfig:
 
 
 def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sliding: bool = False,
-                          shared_heads: int = 1) -> LaunchConfig:
+                          shared_heads: int = 1, queries: int | None = None) -> LaunchConfig:
     """The configuration measured fastest on an H100 for the benchmarks' configurations
     (docs/benchmarks.md), ``shared_heads`` being the query heads of one selection.
+
+    A forward of at most ``FEW_QUERIES`` ``queries`` (a decoding step) runs its window in
+    the selection's launch, one position per window tile: a launch of its own would cost
+    more host time than its work.
 
     Up to d = 64, with 2-byte inputs, one warp per program streams the selection's key
     tiles best in the forward and the dQ pass: a 16-row tile then needs no cross-warp
@@ -849,6 +856,9 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     1.5x as long on one), and at every d the window's dK / dV takes 32-key, 32-row steps
     (the 64 x 64 ones spill: 84 -> 3.2 ms at d = 64, n = 4096; 99 -> 3.8 ms at d = 128,
     n = 2048)."""
+    if queries is not None and queries <= FEW_QUERIES:
+        config = default_launch_config(block_size, head_dim, dtype, sliding, shared_heads)
+        return replace(config, window_fwd_warps=None, window_rows=MIN_ROWS, window_n=64 if dtype.itemsize == 2 else 32)
     dkv_rows = 32 if shared_heads > 8 else 16
     if dtype.itemsize == 2:
         if head_dim <= 64:
@@ -1186,7 +1196,7 @@ def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, 
         window=window,
         scale=scale,
         has_sel_scale=has_sel_scale,
-        config=default_launch_config(block_size, d, q.dtype, window is not None, shared_heads=hq // hs),
+        config=default_launch_config(block_size, d, q.dtype, window is not None, shared_heads=hq // hs, queries=n),
         num_keys=k.shape[2],
         q_offset=q_offset,
     )
