@@ -85,8 +85,9 @@ def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
         "One layer of the layer benchmark's configuration, bf16 autocast, batch 1, no autograd: after a prefill "
         "of n tokens, one token per step through the layer's cache. ms / token: wall time per step over "
         f"{TIMED_STEPS} steps run back to back; GPU ms and kernels: CUDA kernel time and launches of one step. "
-        "NSA decodes on its PyTorch path (the Triton kernels run prefills and training), whose steps are bound by "
-        "the host issuing their kernels, not by the GPU.",
+        "NSA decodes on its Triton kernels (the compressed branch and block selection, then the selected and "
+        "sliding branches in one launch). Both layers' steps are bound by the host issuing their kernels, not by "
+        "the GPU, so the wall times vary with the host's CPU by some 30% from one machine to the next.",
         "",
         markdown_table(header, rows),
     ])

@@ -281,11 +281,13 @@ class SparseAttention(nn.Module):
     ):
         """x: [b, n, dim] -> [b, n, dim], or ``(out, cache)`` when ``return_cache``.
 
-        With a ``cache`` from an earlier call, ``x`` is the next token, ``[b, 1, dim]``.
+        With a ``cache`` from an earlier call, ``x`` holds the tokens that follow it: one
+        per decoding step, or any number (the next chunk of a long prompt, draft tokens to
+        verify). The result equals that of running the whole sequence at once.
         """
         self._check_input(x)
         if cache is not None:
-            out, cache = self._decode_step(x, cache)
+            out, cache = self._continue(x, cache)
             return (out, cache) if return_cache else out
         if return_cache and not self.causal:
             raise ValueError("return_cache needs a causal layer (causal=True)")
@@ -517,8 +519,6 @@ class SparseAttention(nn.Module):
             raise TypeError(f"cache must be a SparseAttentionCache, got {type(cache).__name__}")
         if not self.causal:
             raise ValueError("decoding with a cache needs a causal layer (causal=True)")
-        if x.shape[1] != 1:
-            raise ValueError(f"decoding with a cache takes one token at a time, got x with seq_len {x.shape[1]}")
         expected = (x.shape[0], self.kv_heads, self.dim_head)
         found = (cache.keys.shape[0], cache.keys.shape[1], cache.keys.shape[3])
         if found != expected:
@@ -537,8 +537,8 @@ class SparseAttention(nn.Module):
         if cache.keys.device != x.device:
             raise ValueError(f"cache is on {cache.keys.device} but x is on {x.device}")
 
-    def _decode_step(self, x: torch.Tensor, cache: SparseAttentionCache):
-        """x: [b, 1, dim], the token at position ``cache.seq_len`` -> (out [b, 1, dim], cache)."""
+    def _continue(self, x: torch.Tensor, cache: SparseAttentionCache):
+        """x: [b, m, dim], the tokens at positions ``cache.seq_len ..`` -> (out [b, m, dim], cache)."""
         self._check_cache(x, cache)
         position = cache.seq_len
         fast = self.use_triton_kernel and self._use_fast_path(x)
@@ -548,9 +548,11 @@ class SparseAttention(nn.Module):
         q, k, v, rq, rk, gates = self._project(x_normed, offset=position, fold_gates=False)
         keys = torch.cat((cache.keys, rk), dim=2)
         values = torch.cat((cache.values, v), dim=2)
+        # Blocks that x completes are compressed before attending: causal masking shows each
+        # only to the tokens after its last.
+        cache = self._advance_cache(cache, keys, values, k, v)
         ck, cv = cache.compressed_keys, cache.compressed_values
 
-        # Every cached compressed block ends before this token, so all are visible to it.
         # The kernels take queries past position 0 without gradients only, and one dtype.
         tensors = (q, rq, keys, values, ck, cv)
         if fast and not any(t.requires_grad for t in tensors) and len({t.dtype for t in tensors}) == 1:
@@ -564,14 +566,19 @@ class SparseAttention(nn.Module):
             )
             fast = False
         out = self._combine(gates, compressed_out, selected_out, sliding_out, fused=fast)
-        return out, self._advance_cache(cache, keys, values, k, v)
+        return out, cache
 
     def _advance_cache(self, cache, keys, values, k, v) -> SparseAttentionCache:
+        """The cache after the new tokens: their rotated keys and values already appended
+        (``keys``, ``values``), their raw keys ``k`` and values ``v``: [b, hk, m, d]
+        buffered, and every compression window they complete compressed."""
         buffer_k = torch.cat((cache.buffer_keys, k), dim=2)
         buffer_v = torch.cat((cache.buffer_values, v), dim=2)
         ck, cv = cache.compressed_keys, cache.compressed_values
-        if buffer_k.shape[2] == self.compress_block_size:
-            new_ck, new_cv = self._compress_windows(buffer_k[:, :, None], buffer_v[:, :, None])
+        # The buffer starts at the next window's first token, so its windows are the next ones.
+        new_ck, new_cv = self._compress(buffer_k, buffer_v)
+        if new_ck.shape[2]:
             ck, cv = torch.cat((ck, new_ck), dim=2), torch.cat((cv, new_cv), dim=2)
-            buffer_k, buffer_v = buffer_k[:, :, self.compress_stride:], buffer_v[:, :, self.compress_stride:]
+            consumed = new_ck.shape[2] * self.compress_stride
+            buffer_k, buffer_v = buffer_k[:, :, consumed:], buffer_v[:, :, consumed:]
         return SparseAttentionCache(keys, values, ck, cv, buffer_k, buffer_v)

@@ -134,13 +134,15 @@ def test_triton_path_matches_pytorch_path_interpreted(monkeypatch, share, use_di
     _assert_close(_run(fast, x, grad_out), reference_run, 1e-5, 1e-5, 1e-4)
 
 
-def _decode(layer, x, prefill_len):
-    """Outputs [b, n, dim] of a prefill of ``prefill_len`` tokens, then one token per step."""
+def _decode(layer, x, prefill_len, chunks=()):
+    """Outputs [b, n, dim] of a prefill of ``prefill_len`` tokens, then of continuations
+    by ``chunks`` tokens each, then one token per step."""
     out, cache = layer(x[:, :prefill_len], return_cache=True)
-    outputs = [out]
-    for t in range(prefill_len, x.shape[1]):
-        out, cache = layer(x[:, t:t + 1], cache=cache, return_cache=True)
+    outputs, start = [out], prefill_len
+    for size in (*chunks, *[1] * (x.shape[1] - prefill_len - sum(chunks))):
+        out, cache = layer(x[:, start:start + size], cache=cache, return_cache=True)
         outputs.append(out)
+        start += size
     return torch.cat(outputs, dim=1)
 
 
@@ -167,7 +169,7 @@ def test_triton_decoding_matches_pytorch_path_interpreted(monkeypatch, share, us
         with monkeypatch.context() as patch:
             patch.setattr(sparse_attention, "compressed_attend", materialising)
             patch.setattr(sparse_attention, "sliding_window_attend", materialising)
-            decoded = _decode(fast, x, 20)
+            decoded = _decode(fast, x, 20, chunks=(1, 6, 1, 4))
     assert _relative_error(decoded, expected) < 1e-5
     # With gradients the steps fall back to the PyTorch path and still agree.
     assert _relative_error(_decode(fast, x, 33).detach(), expected) < 1e-5
@@ -183,7 +185,7 @@ def test_triton_decoding_matches_pytorch_path(share):
     x = torch.randn(1, 4096 + 64, CONFIG["dim"], device="cuda")
     with torch.no_grad():
         expected = reference(x)[:, 4096:]
-        decoded = _decode(fast, x, 4096)[:, 4096:]
+        decoded = _decode(fast, x, 4096, chunks=(1, 31))[:, 4096:]
         assert _relative_error(decoded, expected) < 1e-2
         with torch.autocast("cuda", dtype=torch.bfloat16):
             decoded_bf16 = _decode(fast, x, 4096)[:, 4096:]
