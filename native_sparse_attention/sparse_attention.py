@@ -67,9 +67,9 @@ class SparseAttentionCache:
     compressed_keys, compressed_values: [b, hk, nc, d], the complete compression windows
     (memory key/values are parameters and not cached);
     buffer_keys, buffer_values: [b, hk, r, d], the raw keys/values of the tokens since the
-    start of the next compression window (``r = t - nc * stride``): once the buffer holds
-    ``compress_block_size`` tokens it is compressed into the next block and its first
-    ``stride`` tokens are dropped.
+    start of the next compression window (``r = t - nc * stride``): each window that new
+    tokens complete is compressed into the next block, and the tokens before the start of
+    the window after it leave the buffer.
     """
 
     keys: torch.Tensor
