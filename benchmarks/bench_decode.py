@@ -3,9 +3,11 @@
 Configuration: the layer benchmark's (``bench_layer.py``: dim 2048, 32 query heads on 2 kv
 heads of dim 64, sliding window 512, compression 32 / stride 16, selection blocks of 64, 16
 selected), bf16 autocast, batch 1, no autograd. A prefill of n tokens builds each layer's
-cache; then every step feeds the next token with the cache. Per token: the wall time of
-32 steps run back to back (what generation sees: the host issues one step while the GPU
-runs the last), and the CUDA kernel time and kernel count of one step (torch.profiler).
+cache; then every step feeds the next token with the cache: eagerly for both layers, and
+for NSA also through a ``StaticSparseAttentionCache`` with the step captured in a CUDA
+graph and replayed. Per token: the wall time of 32 steps run back to back (what
+generation sees: the host issues one step while the GPU runs the last), and the CUDA
+kernel time and kernel count of one step (torch.profiler).
 
     python benchmarks/bench_decode.py           # table + docs/benchmarks.md "decode"
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +29,11 @@ from benchmarks.bench_layer import DIM, build  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     benchmark_arguments, environment_line, markdown_table, require_cuda, write_section,
 )
+from native_sparse_attention.static_cache import capture_step  # noqa: E402
 
 CACHED_LENS = (4096, 16384, 65536)
 WARMUP_STEPS, TIMED_STEPS = 16, 32
+KINDS = ("dense", "nsa", "nsa_graph")
 
 
 @dataclass
@@ -38,45 +43,63 @@ class DecodeTiming:
     kernels: int
 
 
+def _timed(step: Callable[[], None]) -> DecodeTiming:
+    for _ in range(WARMUP_STEPS):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(TIMED_STEPS):
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / TIMED_STEPS * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return DecodeTiming(wall_ms, sum(e.device_time for e in kernels) / 1e3, len(kernels))
+
+
 def measure(kind: str, n: int) -> DecodeTiming:
-    """Per-token decoding time of a freshly seeded ``kind`` layer after a prefill of n tokens."""
+    """Per-token decoding time of a freshly seeded layer after a prefill of n tokens:
+    ``kind`` is "dense", "nsa" or "nsa_graph" (NSA replaying a captured step)."""
     torch.manual_seed(0)
-    layer = build(kind).eval()
-    x = torch.randn(1, n + WARMUP_STEPS + TIMED_STEPS + 1, DIM, device="cuda")
+    layer = build("dense" if kind == "dense" else "nsa").eval()
+    steps = WARMUP_STEPS + TIMED_STEPS + 1
+    x = torch.randn(1, n + steps, DIM, device="cuda")
     tokens = iter(range(n, x.shape[1]))
-
-    def step(cache):
-        t = next(tokens)
-        return layer(x[:, t:t + 1], cache=cache, return_cache=True)[1]
-
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         _, cache = layer(x[:, :n], return_cache=True)
-        for _ in range(WARMUP_STEPS):
-            cache = step(cache)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(TIMED_STEPS):
-            cache = step(cache)
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - start) / TIMED_STEPS * 1e3
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            cache = step(cache)
-            torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_ms = sum(e.device_time for e in kernels) / 1e3
+        if kind == "nsa_graph":
+            static = layer.static_cache(cache, n + steps)
+            step_input = x[:, n:n + 1].clone()
+            graph, _ = capture_step(lambda: layer(step_input, cache=static), [static])
+
+            def step():
+                t = next(tokens)
+                step_input.copy_(x[:, t:t + 1])
+                graph.replay()
+        else:
+            def step():
+                nonlocal cache
+                t = next(tokens)
+                cache = layer(x[:, t:t + 1], cache=cache, return_cache=True)[1]
+
+        timing = _timed(step)
     del layer, cache, x
     torch.cuda.empty_cache()
-    return DecodeTiming(wall_ms, gpu_ms, len(kernels))
+    return timing
 
 
 def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
     rows = []
-    for n, pair in results.items():
-        dense, nsa = pair["dense"], pair["nsa"]
-        rows.append([n, f"{dense.wall_ms:.2f}", f"{dense.gpu_ms:.3f}", dense.kernels,
-                     f"{nsa.wall_ms:.2f}", f"{nsa.gpu_ms:.3f}", nsa.kernels])
-    header = ["cached tokens", "dense ms / token", "dense GPU ms", "dense kernels",
-              "NSA ms / token", "NSA GPU ms", "NSA kernels"]
+    for n, timings in results.items():
+        row = [n]
+        for kind in KINDS:
+            row += [f"{timings[kind].wall_ms:.2f}", f"{timings[kind].gpu_ms:.3f}", timings[kind].kernels]
+        rows.append(row)
+    header = ["cached tokens"]
+    for name in ("dense", "NSA", "NSA, CUDA graph"):
+        header += [f"{name} ms / token", f"{name} GPU ms", f"{name} kernels"]
     return "\n".join([
         "## Decoding (`benchmarks/bench_decode.py`)",
         "",
@@ -86,8 +109,10 @@ def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
         "of n tokens, one token per step through the layer's cache. ms / token: wall time per step over "
         f"{TIMED_STEPS} steps run back to back; GPU ms and kernels: CUDA kernel time and launches of one step. "
         "NSA decodes on its Triton kernels (the compressed branch and block selection, then the selected and "
-        "sliding branches in one launch). Both layers' steps are bound by the host issuing their kernels, not by "
-        "the GPU, so the wall times vary with the host's CPU by some 30% from one machine to the next.",
+        "sliding branches in one launch). Eager steps of both layers are bound by the host issuing their "
+        "kernels, not by the GPU, so their wall times vary with the host's CPU by some 30% from one machine to "
+        "the next. \"CUDA graph\" replays one captured step through a `StaticSparseAttentionCache`, whose "
+        "buffers have their final size from the start.",
         "",
         markdown_table(header, rows),
     ])
@@ -100,7 +125,7 @@ def main() -> None:
     require_cuda(parser)
     results = {}
     for n in args.cached_lens:
-        results[n] = {kind: measure(kind, n) for kind in ("dense", "nsa")}
+        results[n] = {kind: measure(kind, n) for kind in KINDS}
         print(f"n={n}: {results[n]}", flush=True)
     markdown = report(results)
     print(markdown)

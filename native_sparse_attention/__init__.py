@@ -10,6 +10,7 @@ from native_sparse_attention.compress import (
 )
 from native_sparse_attention.full_attention import FullAttention
 from native_sparse_attention.sparse_attention import SparseAttention, SparseAttentionCache
+from native_sparse_attention.static_cache import StaticSparseAttentionCache
 from native_sparse_attention.transformer import Transformer
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "GroupedCompressMLP",
     "SparseAttention",
     "SparseAttentionCache",
+    "StaticSparseAttentionCache",
     "Transformer",
     "TransformerCompress",
     "native_sparse_attend",

@@ -45,6 +45,7 @@ from native_sparse_attention.selection import (
     selectable_blocks,
     selection_block_scores,
 )
+from native_sparse_attention.static_cache import StaticSparseAttentionCache, static_cache, static_step
 
 __all__ = ["SparseAttention", "SparseAttentionCache"]
 
@@ -283,9 +284,14 @@ class SparseAttention(nn.Module):
 
         With a ``cache`` from an earlier call, ``x`` holds the tokens that follow it: one
         per decoding step, or any number (the next chunk of a long prompt, draft tokens to
-        verify). The result equals that of running the whole sequence at once.
+        verify). The result equals that of running the whole sequence at once. With a
+        ``StaticSparseAttentionCache`` (``static_cache``) x is one token, the step updates
+        the cache in place, and it can be captured in a CUDA graph.
         """
         self._check_input(x)
+        if isinstance(cache, StaticSparseAttentionCache):
+            out = static_step(self, x, cache)
+            return (out, cache) if return_cache else out
         if cache is not None:
             out, cache = self._continue(x, cache)
             return (out, cache) if return_cache else out
@@ -506,6 +512,12 @@ class SparseAttention(nn.Module):
         self.recorder.update({name: t.detach() for name, t in tensors.items()})
 
     # ------------------------------------------------------------------ decoding
+
+    def static_cache(self, cache: SparseAttentionCache, capacity: int) -> StaticSparseAttentionCache:
+        """``cache`` moved into buffers of ``capacity`` tokens that decoding steps update in
+        place, so that a step can be captured in a CUDA graph (see ``static_cache.py``).
+        Decodes on the Triton kernels (``use_triton_kernel``), without gradients."""
+        return static_cache(self, cache, capacity)
 
     def _prefill_cache(self, rk, v, k, ck, cv) -> SparseAttentionCache:
         buffer_start = ck.shape[2] * self.compress_stride

@@ -9,6 +9,7 @@ from torch import nn
 
 from native_sparse_attention.full_attention import FullAttention
 from native_sparse_attention.sparse_attention import SparseAttention
+from native_sparse_attention.static_cache import capture_step
 
 __all__ = ["Transformer", "DEFAULT_SPARSE_ATTN_KWARGS"]
 
@@ -123,11 +124,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def sample(self, prompt: torch.Tensor, seq_len: int, temperature: float = 1.0, filter_thres: float = 0.9,
-               use_cache_kv: bool = False) -> torch.Tensor:
+               use_cache_kv: bool = False, use_cuda_graph: bool = False) -> torch.Tensor:
         """Continue ``prompt: [b, p]`` (or ``[p]``) until it is ``seq_len`` tokens long.
 
         Sampling keeps the top ``1 - filter_thres`` fraction of the logits; ``temperature=0``
         is greedy decoding. Returns only the generated tokens, ``[b, seq_len - p]``.
+        ``use_cache_kv`` decodes one token per step through the layers' caches;
+        ``use_cuda_graph`` also captures that step in a CUDA graph and replays it (CUDA
+        and sparse layers on the Triton kernels only), after a prefill of the prompt.
         """
         if not self.causal:
             raise ValueError("sample needs a causal model")
@@ -138,13 +142,19 @@ class Transformer(nn.Module):
             raise ValueError("prompt must hold at least one token")
         if not 0.0 <= filter_thres < 1.0:
             raise ValueError(f"filter_thres must be in [0, 1), got {filter_thres}")
+        if use_cuda_graph:
+            self._check_graphable(out)
         was_training = self.training
         self.eval()
-        caches = None
+        caches, replay = None, None
         for _ in range(max(0, seq_len - prompt_len)):
-            if use_cache_kv:
+            if replay is not None:
+                logits = replay(out[:, -1:])
+            elif use_cache_kv or use_cuda_graph:
                 step_input = out if caches is None else out[:, -1:]
                 logits, caches = self(step_input, caches=caches, return_caches=True)
+                if use_cuda_graph:
+                    replay = self._graphed_step(caches, capacity=seq_len, example_ids=out[:, -1:])
             else:
                 logits = self(out)
             next_logits = logits[:, -1]
@@ -157,3 +167,23 @@ class Transformer(nn.Module):
         self.train(was_training)
         generated = out[:, prompt_len:]
         return generated[0] if squeeze else generated
+
+    def _check_graphable(self, ids: torch.Tensor) -> None:
+        if not ids.is_cuda:
+            raise ValueError(f"use_cuda_graph needs CUDA ids, got ids on {ids.device}")
+        if not all(isinstance(attn, SparseAttention) and attn.use_triton_kernel for attn, _ in self.layers):
+            raise ValueError("use_cuda_graph needs sparse attention layers with use_triton_kernel=True")
+
+    def _graphed_step(self, caches: list, capacity: int, example_ids: torch.Tensor):
+        """A function ``ids [b, 1] -> logits [b, 1, num_tokens]`` that replays one decoding
+        step, captured in a CUDA graph, through static copies of ``caches``."""
+        static = [attn.static_cache(cache, capacity) for (attn, _), cache in zip(self.layers, caches)]
+        ids = example_ids.clone()
+        graph, logits = capture_step(lambda: self(ids, caches=static), static)
+
+        def replay(next_ids: torch.Tensor) -> torch.Tensor:
+            ids.copy_(next_ids)
+            graph.replay()
+            return logits
+
+        return replay

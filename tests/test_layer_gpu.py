@@ -191,3 +191,82 @@ def test_triton_decoding_matches_pytorch_path(share):
             decoded_bf16 = _decode(fast, x, 4096)[:, 4096:]
     assert torch.isfinite(decoded_bf16).all()
     assert _relative_error(decoded_bf16, expected) < 5e-2
+
+
+def _decode_static(layer, x, prefill_len, capacity):
+    """Outputs [b, n, dim] of a prefill of ``prefill_len`` tokens, then one token per step
+    through a StaticSparseAttentionCache of ``capacity`` tokens."""
+    out, cache = layer(x[:, :prefill_len], return_cache=True)
+    cache = layer.static_cache(cache, capacity)
+    outputs = [out]
+    for t in range(prefill_len, x.shape[1]):
+        outputs.append(layer(x[:, t:t + 1], cache=cache))
+    assert cache.position.item() == x.shape[1]
+    return torch.cat(outputs, dim=1)
+
+
+@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+@pytest.mark.parametrize("share, prefill_len", [(True, 13), (False, 1)])
+def test_static_cache_decoding_matches_pytorch_path_interpreted(monkeypatch, share, prefill_len):
+    torch.manual_seed(4)
+    fast, reference = _layer_pair(
+        SMALL_CONFIG, causal=True, query_heads_share_selected_kv=share, num_compressed_mem_kv=2,
+        use_triton_kernel=True,
+    )
+    with torch.no_grad():
+        fast.to_qkv.weight.mul_(4.0)
+        reference.to_qkv.weight.copy_(fast.to_qkv.weight)
+    monkeypatch.setattr(SparseAttention, "_use_fast_path", lambda self, x: self.use_triton_kernel)
+    x = torch.randn(2, 34, SMALL_CONFIG["dim"])
+    with torch.no_grad():
+        expected = reference(x)
+        decoded = _decode_static(fast, x, prefill_len, capacity=37)
+    assert _relative_error(decoded, expected) < 1e-5
+
+
+def test_static_cache_rejects_what_it_cannot_decode():
+    layer = SparseAttention(**SMALL_CONFIG, causal=True)
+    with torch.no_grad():
+        _, cache = layer(torch.randn(1, 9, SMALL_CONFIG["dim"]), return_cache=True)
+    with pytest.raises(ValueError, match="use_triton_kernel"):
+        layer.static_cache(cache, 16)
+    layer.use_triton_kernel = True
+    with pytest.raises(ValueError, match="capacity"):
+        layer.static_cache(cache, 9)
+    with pytest.raises(TypeError, match="capacity"):
+        layer.static_cache(cache, 16.0)
+    static = layer.static_cache(cache, 16)
+    with pytest.raises(ValueError, match="no_grad"):
+        layer(torch.randn(1, 1, SMALL_CONFIG["dim"]), cache=static)
+    with torch.no_grad(), pytest.raises(ValueError, match="one token"):
+        layer(torch.randn(1, 2, SMALL_CONFIG["dim"]), cache=static)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("share", [True, False])
+def test_cuda_graph_decoding_matches_pytorch_path(share):
+    """One step captured in a CUDA graph (bf16 autocast) and replayed for every token."""
+    from native_sparse_attention.static_cache import capture_step
+
+    torch.manual_seed(5)
+    fast, reference = _layer_pair(CONFIG, query_heads_share_selected_kv=share, use_triton_kernel=True)
+    fast, reference = fast.cuda().eval(), reference.cuda().eval()
+    prefill, steps = 4096, 80
+    x = torch.randn(1, prefill + steps, CONFIG["dim"], device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = _decode(fast, x, prefill)[:, prefill:]
+        _, cache = fast(x[:, :prefill], return_cache=True)
+        static = fast.static_cache(cache, prefill + steps)
+        step_input = x[:, prefill:prefill + 1].clone()
+        graph, step_output = capture_step(lambda: fast(step_input, cache=static), [static])
+        outputs = []
+        for t in range(prefill, prefill + steps):
+            step_input.copy_(x[:, t:t + 1])
+            graph.replay()
+            outputs.append(step_output.clone())
+    assert static.position.item() == prefill + steps
+    graphed = torch.cat(outputs, dim=1)
+    assert _relative_error(graphed, expected) < 1e-2
+    with torch.no_grad():
+        assert _relative_error(graphed, reference(x)[:, prefill:]) < 5e-2

@@ -41,6 +41,34 @@ def test_greedy_sampling_with_cache_equals_without(use_sparse_attn):
     assert torch.equal(with_cache, without_cache)
 
 
+def test_cuda_graph_sampling_needs_cuda_and_triton_layers():
+    prompt = torch.randint(0, 64, (1, 5))
+    with pytest.raises(ValueError, match="CUDA"):
+        make_model().sample(prompt, 9, use_cuda_graph=True)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="use_triton_kernel"):
+            make_model().cuda().sample(prompt.cuda(), 9, use_cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_greedy_sampling_with_cuda_graph_equals_cached_sampling(autocast):
+    torch.manual_seed(0)
+    model = Transformer(
+        num_tokens=64, dim=64, depth=2, heads=4, dim_head=16, kv_heads=2, sparse_attn_kwargs=dict(
+            sliding_window_size=32, compress_block_size=16, compress_block_sliding_stride=8,
+            selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True,
+        ),
+    ).cuda()
+    prompt = torch.randint(0, 64, (2, 37), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        cached = model.sample(prompt, 237, temperature=0.0, use_cache_kv=True)
+        graphed = model.sample(prompt, 237, temperature=0.0, use_cuda_graph=True)
+    assert graphed.shape == (2, 200)
+    assert torch.equal(graphed, cached)
+
+
 @pytest.mark.parametrize("chunk", [1, 5])
 def test_full_attention_continues_from_a_cache(chunk):
     torch.manual_seed(0)

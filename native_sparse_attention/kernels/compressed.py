@@ -71,7 +71,9 @@ from native_sparse_attention.kernels.library import (
     is_tokens_major,
     launcher_op,
     new_heads_tensor,
+    position_in_memory,
     row_tiles,
+    start_position,
     unit_stride_last,
 )
 from native_sparse_attention.reference import compressed_attend
@@ -83,7 +85,7 @@ from native_sparse_attention.selection import (
     selection_block_scores,
 )
 
-__all__ = ["compressed_attend_and_select"]
+__all__ = ["compressed_attend_and_select", "compressed_attend_and_select_at"]
 
 LOG2E = 1.4426950408889634
 # The same constant for kernels, which may only read constexpr globals.
@@ -196,10 +198,12 @@ _STEP_VARYING = ("M", "Q_START", "N")
 def _attention_fwd_kernel(
     Q_TILES, K_TILES, V_TILES, OUT, LSE,
     stride_oz, stride_oh, stride_om,
-    HQ, M, Q_START, N, NUM_MEM, CBS, STRIDE, qk_scale,
+    HQ, M, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, qk_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q_START_IN_MEMORY: tl.constexpr,
 ):
+    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -568,14 +572,15 @@ def _select_blocks_kernel(
     Q, K, LSE, INDICES, MASK, SCORES,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
-    HS, M, Q_START, N, NUM_MEM, CBS, STRIDE, SBS, NSEL, qk_scale,
+    HS, M, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, SBS, NSEL, qk_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr,
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, TOPN: tl.constexpr, TOPN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
     S_STEP: tl.constexpr, NUM_C_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_HALF: tl.constexpr,
+    SPLIT_HALF: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
 ):
     # INDICES, MASK, SCORES: [Z, HS, M, TOPN], contiguous.
+    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     zs = tl.program_id(0)
     z, hs = zs // HS, zs % HS
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -752,8 +757,11 @@ def _launch_meta(tiles: _Launch) -> dict:
                 num_stages=tiles.num_stages)
 
 
-def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [b, hq, n, d], ck, cv: [b, hk, N, d] -> (out [b, hq, n, d], lse [b, hq, n] fp32)."""
+def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None = None):
+    """q: [b, hq, n, d], ck, cv: [b, hk, N, d] -> (out [b, hq, n, d], lse [b, hq, n] fp32).
+
+    ``position``: a one-element int64 device tensor holding the position of query row 0,
+    read by the kernel in place of ``geo.q_offset``."""
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
     tiles = _launch("forward", q)
@@ -761,13 +769,14 @@ def _attention_forward(q, ck, cv, geo: _Geometry) -> tuple[torch.Tensor, torch.T
     lse = _allocate((b, hq, n), torch.float32, q.device)
     grid = (b * hq, triton.cdiv(n, tiles.block_m))
     block_d = _block_d(d)
+    start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
     _attention_fwd_kernel[grid](
         row_tiles(q, tiles.block_m, block_d), row_tiles(ck, tiles.block_n, block_d),
         row_tiles(cv, tiles.block_n, block_d), out, lse, *head_strides(out),
-        hq, n, geo.q_offset, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
+        hq, n, start, start_ptr, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
         geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=block_d,
-        **_launch_meta(tiles),
+        Q_START_IN_MEMORY=in_memory, **_launch_meta(tiles),
     )
     return out, lse
 
@@ -873,11 +882,12 @@ def _chunk_layout(compress_block_size, compress_stride, selection_block_size, bl
     return s_step, num_c_tiles, max(16, triton.next_power_of_2(s_step))
 
 
-def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
+def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) -> BlockSelection:
     """Top-``num_selected`` selection blocks per query from the forward's ``lse``.
 
-    q: [b, hq, n, d] (at positions ``geo.q_offset ..``), ck: [b, hk, N, d], lse: [b, hq, n]
-    -> BlockSelection of [b, hs, n, num_selected] tensors.
+    q: [b, hq, n, d] (at positions ``geo.q_offset ..``, or ``position ..``: see
+    ``_attention_forward``), ck: [b, hk, N, d], lse: [b, hq, n] -> BlockSelection of
+    [b, hs, n, num_selected] tensors.
     """
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
@@ -893,18 +903,24 @@ def _select(q, ck, lse, geo: _Geometry) -> BlockSelection:
         geo.compress_block_size, geo.compress_stride, geo.selection_block_size, tiles.block_n
     )
     grid = (b * hs, triton.cdiv(n, tiles.block_m))
+    if position is None:
+        num_tokens = geo.q_offset + n
+    else:
+        # Past the last token any compressed key covers, which bounds the visible blocks.
+        num_tokens = (num_keys - geo.num_mem) * geo.compress_stride + geo.compress_block_size
+    start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
     _select_blocks_kernel[grid](
         q, ck, lse, indices, mask, scores,
         *head_strides(q), *head_strides(ck),
-        hs, n, geo.q_offset, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
-        geo.selection_block_size, num_selection_blocks(geo.q_offset + n, geo.selection_block_size),
+        hs, n, start, start_ptr, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
+        geo.selection_block_size, num_selection_blocks(num_tokens, geo.selection_block_size),
         geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEADS_PER_SELECTION=hq // hs, HEAD_DIM=d,
         IS_CAUSAL=geo.causal, TOPN=geo.num_selected,
         TOPN_PAD=triton.next_power_of_2(geo.num_selected),
         BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_n, BLOCK_S=block_s,
         S_STEP=s_step, NUM_C_TILES=num_c_tiles, BLOCK_D=_block_d(d),
-        SPLIT_HALF=q.dtype != torch.float32,
+        SPLIT_HALF=q.dtype != torch.float32, Q_START_IN_MEMORY=in_memory,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return BlockSelection(indices, mask, scores)
@@ -1119,3 +1135,33 @@ def compressed_attend_and_select(
     q, ck, cv = (unit_stride_last(t) for t in (q, ck, cv))
     out, lse, indices, mask, scores = _CompressedAttendAndSelect.apply(q, ck, cv, bool(scores_require_grad), *geometry)
     return out, lse, BlockSelection(indices, mask, scores)
+
+
+def compressed_attend_and_select_at(
+    q: torch.Tensor,
+    ck: torch.Tensor,
+    cv: torch.Tensor,
+    position: torch.Tensor,
+    compress_block_size: int,
+    compress_stride: int,
+    num_mem: int,
+    selection_block_size: int,
+    num_selected: int,
+    share_selection: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, BlockSelection]:
+    """``compressed_attend_and_select`` of causal queries at the position that the
+    one-element int64 tensor ``position`` holds, read on the device: a step that a CUDA
+    graph replays. Forward only, on the kernels (CUDA, or ``TRITON_INTERPRET=1``), for
+    inputs the caller has validated.
+
+    q: [b, hq, m, d]; ck, cv: [b, hk, num_mem + capacity, d], whose compressed keys past
+    those the queries see (by causality) may hold anything. Returns (out [b, hq, m, d],
+    BlockSelection of [b, hs, m, num_selected] tensors).
+    """
+    geo = _Geometry(compress_block_size, compress_stride, num_mem, True,
+                    float(q.shape[-1] ** -0.5 if scale is None else scale),
+                    selection_block_size, num_selected, bool(share_selection))
+    q, ck, cv = (unit_stride_last(t) for t in (q, ck, cv))
+    out, lse = _attention_forward(q, ck, cv, geo, position)
+    return out, _select(q, ck, lse, geo, position)

@@ -21,10 +21,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["NAMESPACE", "launcher_op", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
-           "row_tiles"]
+           "row_tiles", "position_in_memory", "start_position"]
 
 NAMESPACE = "native_sparse_attention"
 
@@ -115,3 +117,22 @@ def row_tiles(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescripto
         d = t.shape[-1]
         t = F.pad(t, (0, -d % (16 // t.element_size())))[..., :d]
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, block_d])
+
+
+@triton.jit
+def start_position(START, START_PTR, IN_MEMORY: tl.constexpr):
+    """A kernel's first position: ``START``, or with ``IN_MEMORY`` the int64 that
+    ``START_PTR`` points to, which a replayed CUDA graph reads anew every step."""
+    start = START
+    if IN_MEMORY:
+        start = tl.load(START_PTR).to(tl.int32)
+    return start
+
+
+def position_in_memory(position: int | torch.Tensor, fallback: torch.Tensor) -> tuple[int, torch.Tensor, bool]:
+    """``start_position``'s (START, START_PTR, IN_MEMORY) for ``position``: an int, or a
+    one-element int64 tensor on the kernel's device. ``fallback`` is any tensor, passed
+    as the pointer that goes unread."""
+    if isinstance(position, torch.Tensor):
+        return 0, position, True
+    return position, fallback, False

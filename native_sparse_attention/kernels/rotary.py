@@ -46,11 +46,13 @@ from native_sparse_attention.kernels.library import (
     is_tokens_major,
     launcher_op,
     new_heads_tensor,
+    position_in_memory,
+    start_position,
     unit_stride_last,
 )
 from native_sparse_attention.rotary import split_qkv_heads
 
-__all__ = ["apply_rotary", "split_heads_and_rotate"]
+__all__ = ["apply_rotary", "rotate_at", "split_heads_and_rotate"]
 
 _TWO_PI = tl.constexpr(2 * math.pi)
 _INV_TWO_PI = tl.constexpr(1 / (2 * math.pi))
@@ -95,10 +97,11 @@ def _rotary_kernel(
     T, OUT, INV_FREQ,
     stride_tz, stride_th, stride_tn, stride_td,
     stride_oz, stride_oh, stride_on,
-    H, N, offset,
+    H, N, offset, OFFSET_PTR,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HEADS: tl.constexpr, INVERSE: tl.constexpr,
+    HEADS: tl.constexpr, INVERSE: tl.constexpr, OFFSET_IN_MEMORY: tl.constexpr,
 ):
+    offset = start_position(offset, OFFSET_PTR, OFFSET_IN_MEMORY)
     n_start = tl.program_id(0) * BLOCK_N
     head_groups = tl.cdiv(H, HEADS)
     z = tl.program_id(1) // head_groups
@@ -234,17 +237,32 @@ def _rotate(t: torch.Tensor, inv_freq: torch.Tensor, offset: int, inverse: bool,
             tokens_major: bool) -> torch.Tensor:
     """t: [b, h, n, d] (any strides) -> [b, h, n, d] rotated by +a (-a if inverse),
     contiguous, or laid out as [b, n, h, d] when ``tokens_major``."""
+    return _launch_rotary(t, inv_freq, offset, inverse, tokens_major)
+
+
+def _launch_rotary(t: torch.Tensor, inv_freq: torch.Tensor, offset: int | torch.Tensor, inverse: bool,
+                   tokens_major: bool) -> torch.Tensor:
+    """``_rotate``, with ``offset`` an int or a one-element int64 device tensor."""
     b, h, n, d = t.shape
     out = new_heads_tensor(t, tokens_major, lambda shape: _empty(shape, t.dtype, t.device))
     if out.numel() == 0:
         return out
     grid = (triton.cdiv(n, _BLOCK_N), b * triton.cdiv(h, _HEADS_PER_PROGRAM))
+    start, start_ptr, in_memory = position_in_memory(offset, inv_freq)
     _rotary_kernel[grid](
-        t, out, inv_freq, *t.stride(), *out.stride()[:3], h, n, offset,
+        t, out, inv_freq, *t.stride(), *out.stride()[:3], h, n, start, start_ptr,
         HALF=d // 2, BLOCK_N=_BLOCK_N, BLOCK_HALF=triton.next_power_of_2(d // 2),
-        HEADS=_HEADS_PER_PROGRAM, INVERSE=inverse,
+        HEADS=_HEADS_PER_PROGRAM, INVERSE=inverse, OFFSET_IN_MEMORY=in_memory,
     )
     return out
+
+
+def rotate_at(t: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` at the positions ``position ..``, where ``position`` is a
+    one-element int64 device tensor read on the device (a step that a CUDA graph replays).
+    Forward only, for inputs the caller has validated: t: [b, h, n, d], inv_freq: [d / 2]
+    float32 -> contiguous [b, h, n, d]."""
+    return _launch_rotary(t, inv_freq, position, inverse=False, tokens_major=False)
 
 
 class _Rotary(torch.autograd.Function):

@@ -92,9 +92,9 @@ import torch
 import triton
 import triton.language as tl
 
-from native_sparse_attention.kernels.library import launcher_op
+from native_sparse_attention.kernels.library import launcher_op, position_in_memory, start_position
 
-__all__ = ["LaunchConfig", "default_launch_config", "selection_attention"]
+__all__ = ["LaunchConfig", "default_launch_config", "selection_attention", "selection_attention_at"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -358,16 +358,17 @@ def _fwd_kernel(
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
-    M, Q_START, N, HQ, HS, NUM_WINDOW_TILES, sm_scale,
+    M, Q_START, Q_START_PTR, N, HQ, HS, NUM_WINDOW_TILES, sm_scale,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
     SLIDING: tl.constexpr, WINDOW: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr,
-    WINDOW_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW_N: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
 ):
     """Programs [0, NUM_WINDOW_TILES) of axis 0 run window tiles (only with SLIDING), the
     others query row ``program_id(0) - NUM_WINDOW_TILES`` of the selection."""
+    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     pid = tl.program_id(0)
     z, sel_head, kv_head, first_head = _program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     scale2 = sm_scale * LOG2E
@@ -997,8 +998,11 @@ def _selection_operands(indices, fmask, sel_scale, fallback: torch.Tensor):
     return indices.contiguous(), fmask.contiguous().view(torch.uint8), sel_scale
 
 
-def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
-    """(out, lse, swa_out, swa_lse); the window's two are empty without a window."""
+def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: torch.Tensor | None = None):
+    """(out, lse, swa_out, swa_lse); the window's two are empty without a window.
+
+    ``position``: a one-element int64 device tensor holding the position of query row 0,
+    read by the kernel in place of ``problem.q_offset``."""
     b, hq, n, d = problem.batch, problem.query_heads, problem.seq_len, problem.head_dim
     out = _empty((b, hq, n, d), q.dtype, q.device)
     lse = _empty((b, hq, n), torch.float32, q.device)
@@ -1007,6 +1011,7 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
     swa_lse = _empty((b, hq, n) if sliding else (0,), torch.float32, q.device)
     sel_idx, sel_mask, sel_scale = _selection_operands(indices, fmask, sel_scale, lse)
     config = problem.config
+    start, start_ptr, in_memory = position_in_memory(problem.q_offset if position is None else position, lse)
 
     def launch(window_tiles: int, positions: int, num_warps: int, num_stages: int) -> None:
         window = problem.window_constexprs(for_dq=False) if window_tiles else dict(WINDOW=0, HEADS_PAD=1,
@@ -1014,11 +1019,12 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale):
         _fwd_kernel[(window_tiles + positions, problem.selection_heads, b)](
             q, k, v, sel_idx, sel_mask, sel_scale, out, lse, swa_out if sliding else out, swa_lse if sliding else lse,
             *_strides(q), *_strides(k), *_strides(v),
-            n, problem.q_offset, problem.num_keys, hq, problem.selection_heads, window_tiles, problem.scale,
+            n, start, start_ptr, problem.num_keys, hq, problem.selection_heads, window_tiles, problem.scale,
             **problem.constexprs,
             **window,
             SLIDING=window_tiles > 0,
             DOT_PRECISION=_dot_precision(q.dtype),
+            Q_START_IN_MEMORY=in_memory,
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -1288,3 +1294,27 @@ def selection_attention(
         q, k, v, sel_scale, selected_block_indices, fmask, block_size, include_block_causal,
         sliding_window_size, scale, q_offset,
     )
+
+
+def selection_attention_at(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int,
+    selected_block_indices: torch.Tensor,
+    fmask: torch.Tensor,
+    sliding_window_size: int,
+    scale: float,
+    position: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal selected and sliding-window attention of queries at the position that the
+    one-element int64 tensor ``position`` holds, read on the device: a step that a CUDA
+    graph replays. Forward only, for inputs the caller has validated.
+
+    q: [b, hq, m, d]; k, v: [b, hk, capacity, d], whose keys past the queries may hold
+    anything; selected_block_indices, fmask: [b, hs, m, sel]. Returns (out, sliding_out),
+    [b, hq, m, d] each.
+    """
+    problem = _problem(q, k, selected_block_indices, False, block_size, True, sliding_window_size, scale)
+    out, _, swa_out, _ = _forward(problem, q, k, v, selected_block_indices, fmask, None, position)
+    return out, swa_out

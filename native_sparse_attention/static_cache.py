@@ -1,0 +1,209 @@
+"""Decoding in buffers of a fixed capacity, so that a step can be captured in a CUDA graph.
+
+A step of ``SparseAttentionCache`` decoding launches some 20 kernels whose shapes grow
+with the cache, and the host issuing them takes several times longer than their work. A
+``StaticSparseAttentionCache`` holds every buffer at its final size and the position in a
+device tensor: a step reads the position on the device (the Triton kernels, the rotary
+embedding, the writes into the buffers) and advances it in place, so the same launches
+serve every step and one captured graph replays them all (``capture_step``).
+
+Each step compresses the window that ends at its token, whether or not the window is
+complete, and writes the result to the window's row when it is and to a spare row
+otherwise: no step branches on the host, and causal masking hides every row past the
+last window a token may see.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from native_sparse_attention.cuda_graph import capture
+from native_sparse_attention.rotary import split_qkv_heads
+from native_sparse_attention.selection import num_compressed_blocks
+
+if TYPE_CHECKING:
+    from native_sparse_attention.sparse_attention import SparseAttention, SparseAttentionCache
+
+__all__ = ["StaticSparseAttentionCache", "capture_step", "static_cache", "static_step"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StaticSparseAttentionCache:
+    """Decoding state of one ``SparseAttention`` layer in fixed-size buffers that each step
+    updates in place.
+
+    position: [1] int64, the number of tokens cached (the next token's position);
+    keys (rotary applied), values: [b, hk, capacity, d], rows ``>= position`` unused;
+    compressed_keys, compressed_values: [b, hk, num_mem + windows + 1, d]: the memory
+    key/values, then one row per compression window that fits in ``capacity`` tokens,
+    then a spare row that steps completing no window write to;
+    recent_keys, recent_values: [b, hk, compress_block_size, d], the raw keys/values of
+    the last ``compress_block_size`` tokens, token t in row ``t % compress_block_size``.
+    """
+
+    position: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    compressed_keys: torch.Tensor
+    compressed_values: torch.Tensor
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+
+def static_cache(layer: SparseAttention, cache: SparseAttentionCache, capacity: int) -> StaticSparseAttentionCache:
+    """A ``StaticSparseAttentionCache`` of ``capacity`` tokens holding ``cache``'s state.
+
+    The memory key/values are copied from the layer's parameters: build the cache anew
+    after changing them.
+    """
+    from native_sparse_attention.sparse_attention import SparseAttentionCache
+
+    if not isinstance(cache, SparseAttentionCache):
+        raise TypeError(f"cache must be a SparseAttentionCache, got {type(cache).__name__}")
+    if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool):
+        raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+    if capacity <= cache.seq_len:
+        raise ValueError(f"capacity must exceed the {cache.seq_len} cached tokens, got {capacity}")
+    if not layer.use_triton_kernel:
+        raise ValueError("static caches decode on the Triton kernels: build the layer with use_triton_kernel=True")
+    b, hk, seq_len, d = cache.keys.shape
+    dtype, device = cache.keys.dtype, cache.keys.device
+
+    def buffer(rows: int, prefix: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(b, hk, rows, d, dtype=dtype, device=device)
+        out[:, :, : prefix.shape[2]] = prefix
+        return out
+
+    num_mem, window = layer.num_mem, layer.compress_block_size
+    rows = num_mem + num_compressed_blocks(capacity, window, layer.compress_stride) + 1
+    mem_k, mem_v = (m.detach().to(dtype).expand(b, -1, -1, -1) for m in layer.mem_kv)
+    compressed_keys = buffer(rows, torch.cat((mem_k, cache.compressed_keys), dim=2))
+    compressed_values = buffer(rows, torch.cat((mem_v, cache.compressed_values), dim=2))
+
+    # The buffer starts at the next window's first token: every token a future window
+    # reads is in it or yet to come.
+    recent_keys, recent_values = (torch.zeros(b, hk, window, d, dtype=dtype, device=device) for _ in range(2))
+    buffered = torch.arange(seq_len - cache.buffer_keys.shape[2], seq_len, device=device) % window
+    recent_keys[:, :, buffered] = cache.buffer_keys
+    recent_values[:, :, buffered] = cache.buffer_values
+    return StaticSparseAttentionCache(
+        position=torch.tensor([seq_len], dtype=torch.int64, device=device),
+        keys=buffer(capacity, cache.keys),
+        values=buffer(capacity, cache.values),
+        compressed_keys=compressed_keys,
+        compressed_values=compressed_values,
+        recent_keys=recent_keys,
+        recent_values=recent_values,
+    )
+
+
+def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAttentionCache) -> torch.Tensor:
+    """One decoding step: x: [b, 1, dim] at position ``cache.position`` -> [b, 1, dim];
+    writes the token into ``cache`` and advances its position. A step past the capacity
+    fails a device-side index check."""
+    from native_sparse_attention.kernels.compressed import compressed_attend_and_select_at
+    from native_sparse_attention.kernels.rotary import rotate_at
+    from native_sparse_attention.kernels.selection import selection_attention_at
+    from native_sparse_attention.sparse_attention import _in_autocast_dtype
+
+    _check(layer, x, cache)
+    position = cache.position
+    x_normed = _in_autocast_dtype(layer.norm(x))
+    q, k, v, _ = split_qkv_heads(layer.to_qkv(x_normed), layer.heads, layer.kv_heads, layer.dim_head)
+    rq, rk = (rotate_at(t, layer.rotary.inv_freq, position) for t in (q, k))
+    gates = layer._gates(layer.to_gates[0](x_normed))
+    _write(layer, cache, rk, k, v)
+
+    dtype = cache.keys.dtype
+    q, rq = q.to(dtype), rq.to(dtype)
+    compressed_out, selection = compressed_attend_and_select_at(
+        q, cache.compressed_keys, cache.compressed_values, position, layer.compress_block_size,
+        layer.compress_stride, layer.num_mem, layer.selection_block_size, layer.num_selected_blocks,
+        share_selection=layer.share_selection,
+    )
+    if layer.recorder is not None:
+        layer._record(selected_indices=selection.indices, selected_mask=selection.mask)
+    selected_out, sliding_out = selection_attention_at(
+        rq, cache.keys, cache.values, layer.selection_block_size, selection.indices, selection.mask,
+        layer.sliding_window_size, layer.dim_head**-0.5, position,
+    )
+    out = layer._combine(gates, compressed_out, selected_out, sliding_out, fused=True)
+    position.add_(1)
+    return out
+
+
+def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) -> None:
+    """Writes the token's keys and values ([b, hk, 1, d] each) at ``cache.position`` and
+    compresses the window ending there into its row (the spare row if incomplete)."""
+    position, window, stride = cache.position, layer.compress_block_size, layer.compress_stride
+    dtype = cache.keys.dtype
+    cache.keys.index_copy_(2, position, rk.to(dtype))
+    cache.values.index_copy_(2, position, v.to(dtype))
+    cache.recent_keys.index_copy_(2, position % window, k.to(dtype))
+    cache.recent_values.index_copy_(2, position % window, v.to(dtype))
+
+    # Tokens position - window + 1 .. position, oldest first.
+    rows = (position + 1 + torch.arange(window, device=position.device)) % window
+    recent_k, recent_v = (t.index_select(2, rows)[:, :, None] for t in (cache.recent_keys, cache.recent_values))
+    new_ck, new_cv = layer._compress_windows(recent_k, recent_v)
+    start = position + 1 - window
+    complete = (start >= 0) & (start % stride == 0)
+    spare_row = cache.compressed_keys.shape[2] - 1
+    row = torch.where(complete, layer.num_mem + start.div(stride, rounding_mode="floor"), spare_row)
+    cache.compressed_keys.index_copy_(2, row, new_ck.to(dtype))
+    cache.compressed_values.index_copy_(2, row, new_cv.to(dtype))
+
+
+def _check(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAttentionCache) -> None:
+    if x.shape[1] != 1:
+        raise ValueError(f"a static cache decodes one token per step, got x with seq_len {x.shape[1]}")
+    expected = (x.shape[0], layer.kv_heads, layer.dim_head)
+    found = (cache.keys.shape[0], cache.keys.shape[1], cache.keys.shape[3])
+    if found != expected:
+        raise ValueError(
+            f"cache does not fit this layer and input: it holds (batch, kv_heads, dim_head) = {found}, "
+            f"expected {expected}"
+        )
+    if cache.keys.device != x.device:
+        raise ValueError(f"cache is on {cache.keys.device} but x is on {x.device}")
+    if torch.is_grad_enabled() and any(p.requires_grad for p in layer.parameters()):
+        raise ValueError("a static cache decodes without gradients: call the layer under torch.no_grad()")
+
+
+def capture_step(step: Callable[[], T], caches: Sequence[StaticSparseAttentionCache],
+                 warmup_steps: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Captures ``step``, a decoding step through ``caches`` (a model's, say, reading its
+    input from a fixed tensor), into a CUDA graph; returns the graph and what the
+    captured call returned, which every ``graph.replay()`` rewrites.
+
+    The warm-up runs the step for real: the caches' positions and recent tokens are
+    restored afterwards, and whatever else it wrote sits in rows that each replay
+    rewrites before reading them. Autocast, if on, runs without its cast cache, whose
+    copies of the weights would be freed when its context ends.
+    """
+    saved = [(c.position.clone(), c.recent_keys.clone(), c.recent_values.clone()) for c in caches]
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        inner = step
+
+        def step():
+            with torch.autocast("cuda", dtype=dtype, cache_enabled=False):
+                return inner()
+
+    graph, result = capture(step, warmup_steps)
+    for cache, (position, recent_keys, recent_values) in zip(caches, saved):
+        cache.position.copy_(position)
+        cache.recent_keys.copy_(recent_keys)
+        cache.recent_values.copy_(recent_values)
+    return graph, result
