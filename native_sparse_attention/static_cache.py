@@ -187,10 +187,12 @@ def capture_step(step: Callable[[], T], caches: Sequence[StaticSparseAttentionCa
     input from a fixed tensor), into a CUDA graph; returns the graph and what the
     captured call returned, which every ``graph.replay()`` rewrites.
 
-    The warm-up runs the step for real: the caches' positions and recent tokens are
-    restored afterwards, and whatever else it wrote sits in rows that each replay
-    rewrites before reading them. Autocast, if on, runs without its cast cache, whose
-    copies of the weights would be freed when its context ends.
+    The graph reads and writes the caches' buffers and the step's inputs in place: keep
+    them alive as long as the graph, or their memory is reused under it. The warm-up runs
+    the step for real: the caches' positions and recent tokens are restored afterwards,
+    and whatever else it wrote sits in rows that each replay rewrites before reading them.
+    Autocast, if on, runs without its cast cache, whose copies of the weights would be
+    freed when its context ends.
     """
     saved = [(c.position.clone(), c.recent_keys.clone(), c.recent_values.clone()) for c in caches]
     if torch.is_autocast_enabled("cuda"):

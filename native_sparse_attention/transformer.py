@@ -174,16 +174,24 @@ class Transformer(nn.Module):
         if not all(isinstance(attn, SparseAttention) and attn.use_triton_kernel for attn, _ in self.layers):
             raise ValueError("use_cuda_graph needs sparse attention layers with use_triton_kernel=True")
 
-    def _graphed_step(self, caches: list, capacity: int, example_ids: torch.Tensor):
-        """A function ``ids [b, 1] -> logits [b, 1, num_tokens]`` that replays one decoding
-        step, captured in a CUDA graph, through static copies of ``caches``."""
+    def _graphed_step(self, caches: list, capacity: int, example_ids: torch.Tensor) -> _GraphedStep:
+        """One decoding step through static copies of ``caches``, captured in a CUDA graph."""
         static = [attn.static_cache(cache, capacity) for (attn, _), cache in zip(self.layers, caches)]
         ids = example_ids.clone()
         graph, logits = capture_step(lambda: self(ids, caches=static), static)
+        return _GraphedStep(graph, ids, logits, static)
 
-        def replay(next_ids: torch.Tensor) -> torch.Tensor:
-            ids.copy_(next_ids)
-            graph.replay()
-            return logits
 
-        return replay
+class _GraphedStep:
+    """``ids [b, 1] -> logits [b, 1, num_tokens]`` by replaying a captured decoding step.
+
+    Holds every tensor the graph reads or writes beyond its own pool: the input ids and
+    the static caches, whose memory would otherwise be freed and reused under it."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, ids: torch.Tensor, logits: torch.Tensor, caches: list):
+        self.graph, self.ids, self.logits, self.caches = graph, ids, logits, caches
+
+    def __call__(self, next_ids: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(next_ids)
+        self.graph.replay()
+        return self.logits

@@ -1,9 +1,14 @@
 """The decoder LM: loss, sampling, and cached decoding against recomputation."""
 
+import gc
+import os
+import weakref
+
 import pytest
 import torch
 
 from native_sparse_attention import FullAttention, SparseAttention, Transformer
+from native_sparse_attention import static_cache as static_cache_module
 from native_sparse_attention.transformer import top_k_filter
 
 SPARSE_KWARGS = dict(
@@ -12,11 +17,11 @@ SPARSE_KWARGS = dict(
 )
 
 
-def make_model(use_sparse_attn=True, **kwargs):
+def make_model(use_sparse_attn=True, sparse_attn_kwargs=SPARSE_KWARGS, **kwargs):
     torch.manual_seed(0)
     return Transformer(
         num_tokens=64, dim=32, depth=2, heads=4, dim_head=8, kv_heads=2,
-        use_sparse_attn=use_sparse_attn, sparse_attn_kwargs=SPARSE_KWARGS, **kwargs,
+        use_sparse_attn=use_sparse_attn, sparse_attn_kwargs=sparse_attn_kwargs, **kwargs,
     )
 
 
@@ -48,6 +53,44 @@ def test_cuda_graph_sampling_needs_cuda_and_triton_layers():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="use_triton_kernel"):
             make_model().cuda().sample(prompt.cuda(), 9, use_cuda_graph=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="interpreter only")
+def test_graphed_steps_equal_cached_steps_interpreted(monkeypatch):
+    """The model's graphed decoding step with the capture replaced by plain calls (the
+    interpreter has no graphs): its static caches stay alive with it, and its logits equal
+    those of eager cached steps."""
+
+    class Replayed:
+        def __init__(self, step):
+            self.step, self.out = step, step()
+
+        def replay(self):
+            self.out.copy_(self.step())
+
+    def run_instead_of_capturing(step, warmup_steps=3):
+        for _ in range(warmup_steps):
+            step()
+        graph = Replayed(step)
+        return graph, graph.out
+
+    monkeypatch.setattr(static_cache_module, "capture", run_instead_of_capturing)
+    model = make_model(sparse_attn_kwargs=dict(
+        sliding_window_size=16, compress_block_size=8, compress_block_sliding_stride=4,
+        selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True,
+    )).eval()
+    ids = torch.randint(0, 64, (2, 27))
+    with torch.no_grad():
+        _, caches = model(ids[:, :19], return_caches=True)
+        step = model._graphed_step(caches, capacity=ids.shape[1], example_ids=ids[:, 18:19])
+        static = [weakref.ref(cache.position) for cache in step.caches]
+        gc.collect()
+        assert all(ref() is not None for ref in static)
+        for t in range(19, ids.shape[1]):
+            graphed = step(ids[:, t:t + 1]).clone()
+            cached, caches = model(ids[:, t:t + 1], caches=caches, return_caches=True)
+            torch.testing.assert_close(graphed, cached, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
