@@ -707,9 +707,10 @@ _CUDA_LAUNCH_WIDE_ROWS = {
     "select": _Launch(64, 128, 4, 2),
     "select_one_head": _Launch(64, 128, 4, 2),  # not timed apart at these widths
 }
-# Decoding steps and other launches of at most this many query rows take tiles of
+# Decoding steps and other forwards of at most this many query rows take tiles of
 # _FEW_ROWS rows: a full tile would spend its dots and exponentials on padding.
 _FEW_ROWS = 16
+_FEW_ROWS_KERNELS = ("forward", "select", "select_one_head")
 # Most selection blocks scored per chunk: more lanes mean fewer top-n merges per row, but
 # each merge then works on a wider [BLOCK_M, BLOCK_S] candidate tile.
 _MAX_SELECTION_LANES = 32
@@ -724,7 +725,7 @@ def _launch(kernel: str, q: torch.Tensor) -> _Launch:
         return _Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
     wide_rows = _block_d(q.shape[-1]) * q.element_size() > 128
     tiles = (_CUDA_LAUNCH_WIDE_ROWS if wide_rows else _CUDA_LAUNCH)[kernel]
-    if q.shape[2] <= _FEW_ROWS:
+    if q.shape[2] <= _FEW_ROWS and kernel in _FEW_ROWS_KERNELS:
         return dataclasses.replace(tiles, block_m=_FEW_ROWS, num_warps=min(tiles.num_warps, 4))
     return tiles
 
