@@ -16,6 +16,7 @@ last window a token may see.
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -77,6 +78,9 @@ def static_cache(layer: SparseAttention, cache: SparseAttentionCache, capacity: 
         raise ValueError(f"capacity must exceed the {cache.seq_len} cached tokens, got {capacity}")
     if not layer.use_triton_kernel:
         raise ValueError("static caches decode on the Triton kernels: build the layer with use_triton_kernel=True")
+    if not (cache.keys.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ValueError(f"static caches decode on the Triton kernels, which need CUDA; the cache is on "
+                         f"{cache.keys.device}")
     b, hk, seq_len, d = cache.keys.shape
     dtype, device = cache.keys.dtype, cache.keys.device
 

@@ -224,13 +224,18 @@ def test_static_cache_decoding_matches_pytorch_path_interpreted(monkeypatch, sha
     assert _relative_error(decoded, expected) < 1e-5
 
 
-def test_static_cache_rejects_what_it_cannot_decode():
+@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+def test_static_cache_rejects_what_it_cannot_decode(monkeypatch):
     layer = SparseAttention(**SMALL_CONFIG, causal=True)
     with torch.no_grad():
         _, cache = layer(torch.randn(1, 9, SMALL_CONFIG["dim"]), return_cache=True)
     with pytest.raises(ValueError, match="use_triton_kernel"):
         layer.static_cache(cache, 16)
     layer.use_triton_kernel = True
+    with monkeypatch.context() as patch:
+        patch.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(ValueError, match="CUDA"):
+            layer.static_cache(cache, 16)
     with pytest.raises(ValueError, match="capacity"):
         layer.static_cache(cache, 9)
     with pytest.raises(TypeError, match="capacity"):
