@@ -531,13 +531,7 @@ class SparseAttention(nn.Module):
             raise TypeError(f"cache must be a SparseAttentionCache, got {type(cache).__name__}")
         if not self.causal:
             raise ValueError("decoding with a cache needs a causal layer (causal=True)")
-        expected = (x.shape[0], self.kv_heads, self.dim_head)
-        found = (cache.keys.shape[0], cache.keys.shape[1], cache.keys.shape[3])
-        if found != expected:
-            raise ValueError(
-                f"cache does not fit this layer and input: it holds (batch, kv_heads, dim_head) = {found}, "
-                f"expected {expected}"
-            )
+        self._check_cache_keys(x, cache.keys)
         num_windows = num_compressed_blocks(cache.seq_len, self.compress_block_size, self.compress_stride)
         buffered = cache.seq_len - num_windows * self.compress_stride
         if cache.compressed_keys.shape[2] != num_windows or cache.buffer_keys.shape[2] != buffered:
@@ -546,8 +540,18 @@ class SparseAttention(nn.Module):
                 f"compress_block_size={self.compress_block_size}, "
                 f"compress_block_sliding_stride={self.compress_stride} after {cache.seq_len} tokens"
             )
-        if cache.keys.device != x.device:
-            raise ValueError(f"cache is on {cache.keys.device} but x is on {x.device}")
+
+    def _check_cache_keys(self, x: torch.Tensor, keys: torch.Tensor) -> None:
+        """A cache's keys [b, hk, t, d] fit this layer, the input's batch and its device."""
+        expected = (x.shape[0], self.kv_heads, self.dim_head)
+        found = (keys.shape[0], keys.shape[1], keys.shape[3])
+        if found != expected:
+            raise ValueError(
+                f"cache does not fit this layer and input: it holds (batch, kv_heads, dim_head) = {found}, "
+                f"expected {expected}"
+            )
+        if keys.device != x.device:
+            raise ValueError(f"cache is on {keys.device} but x is on {x.device}")
 
     def _continue(self, x: torch.Tensor, cache: SparseAttentionCache):
         """x: [b, m, dim], the tokens at positions ``cache.seq_len ..`` -> (out [b, m, dim], cache)."""

@@ -154,8 +154,9 @@ def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) 
     dtype = cache.keys.dtype
     cache.keys.index_copy_(2, position, rk.to(dtype))
     cache.values.index_copy_(2, position, v.to(dtype))
-    cache.recent_keys.index_copy_(2, position % window, k.to(dtype))
-    cache.recent_values.index_copy_(2, position % window, v.to(dtype))
+    slot = position % window
+    cache.recent_keys.index_copy_(2, slot, k.to(dtype))
+    cache.recent_values.index_copy_(2, slot, v.to(dtype))
 
     # Tokens position - window + 1 .. position, oldest first.
     rows = (position + 1 + torch.arange(window, device=position.device)) % window
@@ -172,15 +173,7 @@ def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) 
 def _check(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAttentionCache) -> None:
     if x.shape[1] != 1:
         raise ValueError(f"a static cache decodes one token per step, got x with seq_len {x.shape[1]}")
-    expected = (x.shape[0], layer.kv_heads, layer.dim_head)
-    found = (cache.keys.shape[0], cache.keys.shape[1], cache.keys.shape[3])
-    if found != expected:
-        raise ValueError(
-            f"cache does not fit this layer and input: it holds (batch, kv_heads, dim_head) = {found}, "
-            f"expected {expected}"
-        )
-    if cache.keys.device != x.device:
-        raise ValueError(f"cache is on {cache.keys.device} but x is on {x.device}")
+    layer._check_cache_keys(x, cache.keys)
     if torch.is_grad_enabled() and any(p.requires_grad for p in layer.parameters()):
         raise ValueError("a static cache decodes without gradients: call the layer under torch.no_grad()")
 

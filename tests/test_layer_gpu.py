@@ -53,6 +53,19 @@ def _layer_pair(config, **options):
     return fast, reference
 
 
+def _sharpened_pair(monkeypatch, **options):
+    """A Triton-path and a PyTorch-path SMALL_CONFIG layer with the same weights, the
+    Triton one taking its fast path on CPU tensors (under the interpreter). A sharper
+    compressed attention separates the block scores, so float32 rounding cannot reorder
+    the selection."""
+    fast, reference = _layer_pair(SMALL_CONFIG, use_triton_kernel=True, **options)
+    with torch.no_grad():
+        fast.to_qkv.weight.mul_(4.0)
+        reference.to_qkv.weight.copy_(fast.to_qkv.weight)
+    monkeypatch.setattr(SparseAttention, "_use_fast_path", lambda self, x: self.use_triton_kernel)
+    return fast, reference
+
+
 def _assert_close(fast_run, reference_run, out_tol, dx_tol, grad_tol):
     (out, dx, grads), (ref_out, ref_dx, ref_grads) = fast_run, reference_run
     assert _relative_error(out, ref_out) < out_tol
@@ -111,16 +124,9 @@ def test_compiled_fast_path_matches_eager(fast_path, mode):
 @pytest.mark.parametrize("share, use_diff_topk, causal", [(True, True, True), (False, False, False)])
 def test_triton_path_matches_pytorch_path_interpreted(monkeypatch, share, use_diff_topk, causal):
     torch.manual_seed(1)
-    fast, reference = _layer_pair(
-        SMALL_CONFIG, causal=causal, query_heads_share_selected_kv=share, use_diff_topk=use_diff_topk,
-        use_triton_kernel=True,
+    fast, reference = _sharpened_pair(
+        monkeypatch, causal=causal, query_heads_share_selected_kv=share, use_diff_topk=use_diff_topk
     )
-    # A sharper compressed attention separates the block scores, so float32 rounding
-    # cannot reorder the selection.
-    with torch.no_grad():
-        fast.to_qkv.weight.mul_(4.0)
-        reference.to_qkv.weight.copy_(fast.to_qkv.weight)
-    monkeypatch.setattr(SparseAttention, "_use_fast_path", lambda self, x: self.use_triton_kernel)
     x = torch.randn(1, 40, SMALL_CONFIG["dim"])
     grad_out = torch.randn_like(x)
     reference_run = _run(reference, x, grad_out)
@@ -150,15 +156,10 @@ def _decode(layer, x, prefill_len, chunks=()):
 @pytest.mark.parametrize("share, use_diff_topk", [(True, False), (False, True)])
 def test_triton_decoding_matches_pytorch_path_interpreted(monkeypatch, share, use_diff_topk):
     torch.manual_seed(2)
-    fast, reference = _layer_pair(
-        SMALL_CONFIG, causal=True, query_heads_share_selected_kv=share, use_diff_topk=use_diff_topk,
+    fast, reference = _sharpened_pair(
+        monkeypatch, causal=True, query_heads_share_selected_kv=share, use_diff_topk=use_diff_topk,
         num_compressed_mem_kv=2,
-        use_triton_kernel=True,
     )
-    with torch.no_grad():
-        fast.to_qkv.weight.mul_(4.0)
-        reference.to_qkv.weight.copy_(fast.to_qkv.weight)
-    monkeypatch.setattr(SparseAttention, "_use_fast_path", lambda self, x: self.use_triton_kernel)
     x = torch.randn(2, 37, SMALL_CONFIG["dim"])
     with torch.no_grad():
         expected = reference(x)
@@ -209,14 +210,9 @@ def _decode_static(layer, x, prefill_len, capacity):
 @pytest.mark.parametrize("share, prefill_len", [(True, 13), (False, 1)])
 def test_static_cache_decoding_matches_pytorch_path_interpreted(monkeypatch, share, prefill_len):
     torch.manual_seed(4)
-    fast, reference = _layer_pair(
-        SMALL_CONFIG, causal=True, query_heads_share_selected_kv=share, num_compressed_mem_kv=2,
-        use_triton_kernel=True,
+    fast, reference = _sharpened_pair(
+        monkeypatch, causal=True, query_heads_share_selected_kv=share, num_compressed_mem_kv=2
     )
-    with torch.no_grad():
-        fast.to_qkv.weight.mul_(4.0)
-        reference.to_qkv.weight.copy_(fast.to_qkv.weight)
-    monkeypatch.setattr(SparseAttention, "_use_fast_path", lambda self, x: self.use_triton_kernel)
     x = torch.randn(2, 34, SMALL_CONFIG["dim"])
     with torch.no_grad():
         expected = reference(x)
