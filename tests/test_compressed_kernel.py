@@ -36,7 +36,8 @@ def poisoned_buffers(monkeypatch):
         t = torch.empty(shape, dtype=dtype, device=device)
         if dtype.is_floating_point:
             return t.fill_(float("nan"))
-        return t.fill_(True) if dtype == torch.bool else t.fill_(-7)
+        # A large positive int also outranks every real key of a partial top-n.
+        return t.fill_(True) if dtype == torch.bool else t.fill_(torch.iinfo(dtype).max // 3)
 
     monkeypatch.setattr(compressed, "_allocate", allocate)
 
@@ -267,6 +268,40 @@ def test_position_read_on_the_device_matches_q_offset(share):
         assert torch.equal(selection.mask, expected.mask)
         assert torch.equal(selection.indices, expected.indices)
         torch.testing.assert_close(selection.scores, expected.scores, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("case", ["decode_step", "decode_step_per_head_no_memory", "chunk_across_blocks"])
+def test_few_query_forwards_split_among_programs(monkeypatch, case, splits):
+    """Few queries' key tiles and selection blocks shared by several programs per query
+    tile, their partial outputs and top-n merged: more shares than work leave some empty."""
+    parts = []
+
+    def few_rows_splits(rows, programs, work, device):
+        parts.append(work)
+        return splits
+
+    monkeypatch.setattr(compressed, "_few_rows_splits", few_rows_splits)
+    check_continuation(*CONTINUATION_CASES[case])
+    assert len(parts) == 2, "the attention and selection launches should both split"
+    if splits == 5:
+        assert min(parts) < splits, "every share had work"
+
+
+@pytest.mark.parametrize("rows, programs, parts, splits", [
+    (1, 2, 30, 30),     # a decoding step's selection at 60k tokens: one chunk per program
+    (1, 2, 500, 32),    # a longer cache: at most 32 shares
+    (16, 32, 10, 5),    # as many programs as SMs
+    (17, 2, 34, 1),     # more queries than a few-row tile: one program per tile
+    (1, 2, 1, 1),
+])
+def test_few_rows_splits_fill_the_gpu(monkeypatch, rows, programs, parts, splits):
+    class Properties:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(compressed, "_FEW_ROWS_PROGRAMS_PER_SM", 1)
+    assert compressed._few_rows_splits(rows, programs, parts, torch.device("cuda")) == splits
 
 
 def test_query_offset_refuses_gradients():

@@ -196,13 +196,17 @@ _STEP_VARYING = ("M", "Q_START", "N")
 
 @triton.jit(do_not_specialize=_STEP_VARYING)
 def _attention_fwd_kernel(
-    Q_TILES, K_TILES, V_TILES, OUT, LSE,
+    Q_TILES, K_TILES, V_TILES, OUT, LSE, PARTIAL_OUT, PARTIAL_LSE,
     stride_oz, stride_oh, stride_om,
     HQ, M, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, qk_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_START_IN_MEMORY: tl.constexpr,
+    Q_START_IN_MEMORY: tl.constexpr, PARTIAL_OUTPUT: tl.constexpr,
 ):
+    # Program (zh, tile, split) attends the split-th of tl.num_programs(2) shares of the
+    # query tile's key tiles. With PARTIAL_OUTPUT it leaves its normalised output and
+    # LSE in PARTIAL_OUT [splits, Z * HQ, M, D] and PARTIAL_LSE [splits, Z * HQ, M]
+    # (float32) for _merge_partial_outputs_kernel.
     Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
@@ -213,16 +217,19 @@ def _attention_fwd_kernel(
     key_limit = NUM_MEM + _num_visible(Q_START + rows, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
     full_end, keys_end = _query_key_ranges(m_start, M, Q_START, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
                                            BLOCK_M, BLOCK_N, IS_CAUSAL)
+    share = tl.cdiv(tl.cdiv(keys_end, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+    share_start = tl.program_id(2) * share
+    share_end = tl.minimum(share_start + share, keys_end)
     q = _load_tile(Q_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for key_start in range(0, full_end, BLOCK_N):
+    for key_start in range(share_start, tl.minimum(full_end, share_end), BLOCK_N):
         k = _load_tile(K_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         v = _load_tile(V_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit,
                                              qk_scale, BLOCK_N, False)
-    for key_start in range(full_end, keys_end, BLOCK_N):
+    for key_start in range(tl.maximum(full_end, share_start), share_end, BLOCK_N):
         k = _load_tile(K_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         v = _load_tile(V_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit,
@@ -232,8 +239,51 @@ def _attention_fwd_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / _KERNEL_LOG2E,
                    float("-inf"))
-    o_ptr = _head_pointers(OUT, z, h, stride_oz, stride_oh)
-    _store_rows(o_ptr, m_start, stride_om, M, out, BLOCK_M, BLOCK_D, HEAD_DIM)
+    if PARTIAL_OUTPUT:
+        part = (tl.program_id(2) * tl.num_programs(0) + zh).to(tl.int64) * M
+        _store_rows(PARTIAL_OUT + part * HEAD_DIM, m_start, HEAD_DIM, M, out, BLOCK_M, BLOCK_D,
+                    HEAD_DIM)
+        tl.store(PARTIAL_LSE + part + rows, lse, mask=rows < M)
+    else:
+        o_ptr = _head_pointers(OUT, z, h, stride_oz, stride_oh)
+        _store_rows(o_ptr, m_start, stride_om, M, out, BLOCK_M, BLOCK_D, HEAD_DIM)
+        tl.store(LSE + zh.to(tl.int64) * M + rows, lse, mask=rows < M)
+
+
+@triton.jit(do_not_specialize=("M", "SPLITS"))
+def _merge_partial_outputs_kernel(
+    PARTIAL_OUT, PARTIAL_LSE, OUT, LSE,
+    stride_oz, stride_oh, stride_om,
+    HQ, M, SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """OUT and LSE over the keys of all SPLITS shares, from their partial outputs and LSEs
+    (``_attention_fwd_kernel``'s layouts): share s weighs ``exp(lse_s - lse)``."""
+    zh = tl.program_id(0)
+    z, h = zh // HQ, zh % HQ
+    m_start = tl.program_id(1) * BLOCK_M
+    rows = m_start + tl.arange(0, BLOCK_M)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for split in range(SPLITS):
+        part = (split * tl.num_programs(0) + zh).to(tl.int64) * M
+        share_lse = tl.load(PARTIAL_LSE + part + rows, mask=rows < M, other=float("-inf"))
+        share_out = _load_rows(PARTIAL_OUT + part * HEAD_DIM, m_start, HEAD_DIM, M, BLOCK_M,
+                               BLOCK_D, HEAD_DIM)
+        m_new = tl.maximum(m_i, share_lse)
+        # Rows without keys so far keep max -inf; weigh against 0 to avoid NaN.
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_base)
+        weight = tl.exp(share_lse - m_base)
+        acc = acc * alpha[:, None] + share_out * weight[:, None]
+        l_i = l_i * alpha + weight
+        m_i = m_new
+    has_keys = l_i > 0
+    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    _store_rows(_head_pointers(OUT, z, h, stride_oz, stride_oh), m_start, stride_om, M, acc,
+                BLOCK_M, BLOCK_D, HEAD_DIM)
     tl.store(LSE + zh.to(tl.int64) * M + rows, lse, mask=rows < M)
 
 
@@ -567,9 +617,25 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
     return acc
 
 
+@triton.jit
+def _store_selection(top, INDICES, MASK, SCORES, zs, rows, M, TOPN: tl.constexpr):
+    """Unpacks the first TOPN keys of ``top: [BLOCK_M, TOPN_PAD]`` into the ``[Z * HS, M,
+    TOPN]`` outputs of selection head ``zs``."""
+    found = top > 0
+    index = tl.where(found, top - ((top >> 32) << 32), 0)
+    score = ((top >> 32) - 1).to(tl.int32).to(tl.float32, bitcast=True)
+    score = tl.where(found, score, 0.0)
+    slots = tl.arange(0, top.shape[1])
+    offs = (zs.to(tl.int64) * M + rows[:, None]) * TOPN + slots[None, :]
+    store_mask = (rows[:, None] < M) & (slots[None, :] < TOPN)
+    tl.store(INDICES + offs, index, mask=store_mask)
+    tl.store(MASK + offs, found, mask=store_mask)
+    tl.store(SCORES + offs, score, mask=store_mask)
+
+
 @triton.jit(do_not_specialize=(*_STEP_VARYING, "NSEL"))
 def _select_blocks_kernel(
-    Q, K, LSE, INDICES, MASK, SCORES,
+    Q, K, LSE, INDICES, MASK, SCORES, PARTIAL_TOP,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     HS, M, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, SBS, NSEL, qk_scale,
@@ -577,9 +643,12 @@ def _select_blocks_kernel(
     HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr, TOPN: tl.constexpr, TOPN_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
     S_STEP: tl.constexpr, NUM_C_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_HALF: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
+    SPLIT_HALF: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr, PARTIAL_OUTPUT: tl.constexpr,
 ):
-    # INDICES, MASK, SCORES: [Z, HS, M, TOPN], contiguous.
+    # INDICES, MASK, SCORES: [Z, HS, M, TOPN], contiguous. Program (zs, tile, split)
+    # scores the split-th of tl.num_programs(2) shares of the chunks of selection blocks;
+    # with PARTIAL_OUTPUT it leaves its top in PARTIAL_TOP [splits, Z * HS, M, TOPN_PAD] for
+    # _merge_partial_tops_kernel (the shares hold disjoint blocks, so keys stay unique).
     Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     zs = tl.program_id(0)
     z, hs = zs // HS, zs % HS
@@ -599,7 +668,11 @@ def _select_blocks_kernel(
 
     lanes = tl.arange(0, BLOCK_S)
     top = tl.zeros([BLOCK_M, TOPN_PAD], dtype=tl.int64)
-    for block_start in range(0, tl.max(block_limit, 0), S_STEP):
+    blocks_end = tl.max(block_limit, 0)
+    split_blocks = tl.cdiv(tl.cdiv(blocks_end, S_STEP), tl.num_programs(2)) * S_STEP
+    blocks_begin = tl.program_id(2) * split_blocks
+    blocks_end = tl.minimum(blocks_end, blocks_begin + split_blocks)
+    for block_start in range(blocks_begin, blocks_end, S_STEP):
         blocks = block_start + lanes
         block_used = (lanes < S_STEP) & (blocks < NSEL)
         token_start = block_start * SBS - CBS
@@ -635,16 +708,35 @@ def _select_blocks_kernel(
         if tl.max((tl.max(cand, 1) > weakest).to(tl.int32), 0) > 0:
             top = _merge_top(top, cand)
 
-    found = top > 0
-    index = tl.where(found, top - ((top >> 32) << 32), 0)
-    score = ((top >> 32) - 1).to(tl.int32).to(tl.float32, bitcast=True)
-    score = tl.where(found, score, 0.0)
-    slots = tl.arange(0, TOPN_PAD)
-    offs = (zs.to(tl.int64) * M + rows[:, None]) * TOPN + slots[None, :]
-    store_mask = (rows[:, None] < M) & (slots[None, :] < TOPN)
-    tl.store(INDICES + offs, index, mask=store_mask)
-    tl.store(MASK + offs, found, mask=store_mask)
-    tl.store(SCORES + offs, score, mask=store_mask)
+    if PARTIAL_OUTPUT:
+        slots = tl.arange(0, TOPN_PAD)
+        part = (tl.program_id(2) * tl.num_programs(0) + zs).to(tl.int64) * M
+        tl.store(PARTIAL_TOP + (part + rows[:, None]) * TOPN_PAD + slots[None, :], top,
+                 mask=rows[:, None] < M)
+    else:
+        _store_selection(top, INDICES, MASK, SCORES, zs, rows, M, TOPN)
+
+
+@triton.jit(do_not_specialize=("M", "SPLITS"))
+def _merge_partial_tops_kernel(
+    PARTIAL_TOP, INDICES, MASK, SCORES, M, SPLITS,
+    TOPN: tl.constexpr, TOPN_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    """The top of each row over the SPLITS (at most MAX_SPLITS, a power of two) partial
+    tops ``_select_blocks_kernel`` left (same layouts as there), unpacked into the
+    selection outputs, by one top-k over all of a row's candidates.
+
+    Merging the shares one after another took 26 us for a decoding step's 34 on an H100
+    (the scoring itself 19 us); the top-k over 16-row tiles, 79 us."""
+    zs = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    lanes = tl.arange(0, MAX_SPLITS * TOPN_PAD)
+    split, slot = lanes // TOPN_PAD, lanes % TOPN_PAD
+    row_offs = (split[None, :] * tl.num_programs(0) + zs).to(tl.int64) * M + rows[:, None]
+    cand = tl.load(PARTIAL_TOP + row_offs * TOPN_PAD + slot[None, :],
+                   mask=(rows[:, None] < M) & (split[None, :] < SPLITS), other=0)
+    _store_selection(tl.topk(cand, TOPN_PAD), INDICES, MASK, SCORES, zs, rows, M, TOPN)
 
 
 # ---------------------------------------------------------------------------------------
@@ -716,6 +808,10 @@ _FEW_ROWS_KERNELS = ("forward", "select", "select_one_head")
 _MAX_SELECTION_LANES = 32
 # dK / dV programs per SM that the query splits aim for.
 _DKDV_PROGRAMS_PER_SM = 4
+# Forward programs per SM that splitting a few queries' work aims for (_few_rows_splits),
+# and the most shares of one query tile's work.
+_FEW_ROWS_PROGRAMS_PER_SM = 2
+_MAX_FEW_ROWS_SPLITS = 32
 
 
 def _launch(kernel: str, q: torch.Tensor) -> _Launch:
@@ -730,17 +826,32 @@ def _launch(kernel: str, q: torch.Tensor) -> _Launch:
     return tiles
 
 
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # Interpreter: a pretend GPU of two SMs, so that short test sequences split too.
+    return 2
+
+
 def _dkdv_query_splits(programs: int, row_tiles: int, device: torch.device) -> int:
     """QUERY_SPLITS of a dK / dV launch of ``programs`` (head, key tile) pairs over
     ``row_tiles`` query tiles: enough for ``_DKDV_PROGRAMS_PER_SM`` programs per SM, at
     most one per query tile. Without it a short sequence leaves most SMs idle (n = 8192 at
     the layer benchmark's 32 heads: 160 programs of up to 128 query tiles each)."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        # Interpreter: a pretend GPU of two SMs, so that short test sequences split too.
-        sms = 2
+    sms = _multiprocessors(device)
     return max(1, min(row_tiles, triton.cdiv(_DKDV_PROGRAMS_PER_SM * sms, max(programs, 1))))
+
+
+def _few_rows_splits(rows: int, programs: int, parts: int, device: torch.device) -> int:
+    """Programs that share the work of one query tile, for a forward launch of
+    ``programs`` (head, query tile) pairs over ``rows`` queries whose longest row has
+    ``parts`` pieces of work (key tiles, chunks of selection blocks), each share left as a
+    partial result that a second kernel merges. Only forwards of at most _FEW_ROWS queries
+    split: a decoding step is a handful of programs, each walking the whole cache."""
+    if rows > _FEW_ROWS:
+        return 1
+    wanted = triton.cdiv(_FEW_ROWS_PROGRAMS_PER_SM * _multiprocessors(device), max(programs, 1))
+    return max(1, min(parts, wanted, _MAX_FEW_ROWS_SPLITS))
 
 
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -769,16 +880,28 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
     out = _allocate((b, hq, n, d), q.dtype, q.device)
     lse = _allocate((b, hq, n), torch.float32, q.device)
     grid = (b * hq, triton.cdiv(n, tiles.block_m))
+    splits = _few_rows_splits(n, math.prod(grid), triton.cdiv(num_keys, tiles.block_n), q.device)
+    if splits > 1:
+        partial_out = _allocate((splits, b * hq, n, d), torch.float32, q.device)
+        partial_lse = _allocate((splits, b * hq, n), torch.float32, q.device)
+    else:
+        partial_out, partial_lse = out, lse  # never read: any valid pointers do
     block_d = _block_d(d)
     start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
-    _attention_fwd_kernel[grid](
+    _attention_fwd_kernel[(*grid, splits)](
         row_tiles(q, tiles.block_m, block_d), row_tiles(ck, tiles.block_n, block_d),
-        row_tiles(cv, tiles.block_n, block_d), out, lse, *head_strides(out),
-        hq, n, start, start_ptr, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
-        geo.scale * LOG2E,
+        row_tiles(cv, tiles.block_n, block_d), out, lse, partial_out, partial_lse,
+        *head_strides(out), hq, n, start, start_ptr, num_keys, geo.num_mem,
+        geo.compress_block_size, geo.compress_stride, geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=block_d,
-        Q_START_IN_MEMORY=in_memory, **_launch_meta(tiles),
+        Q_START_IN_MEMORY=in_memory, PARTIAL_OUTPUT=splits > 1, **_launch_meta(tiles),
     )
+    if splits > 1:
+        merge_rows = triton.next_power_of_2(n)
+        _merge_partial_outputs_kernel[(b * hq, triton.cdiv(n, merge_rows))](
+            partial_out, partial_lse, out, lse, *head_strides(out), hq, n, splits,
+            HEAD_DIM=d, BLOCK_M=merge_rows, BLOCK_D=block_d, num_warps=4,
+        )
     return out, lse
 
 
@@ -903,27 +1026,38 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
     s_step, num_c_tiles, block_s = _chunk_layout(
         geo.compress_block_size, geo.compress_stride, geo.selection_block_size, tiles.block_n
     )
-    grid = (b * hs, triton.cdiv(n, tiles.block_m))
     if position is None:
         num_tokens = geo.q_offset + n
     else:
         # Past the last token any compressed key covers, which bounds the visible blocks.
         num_tokens = (num_keys - geo.num_mem) * geo.compress_stride + geo.compress_block_size
+    num_blocks = num_selection_blocks(num_tokens, geo.selection_block_size)
+    tops = (b * hs, triton.cdiv(n, tiles.block_m))
+    splits = _few_rows_splits(n, math.prod(tops), triton.cdiv(num_blocks, s_step), q.device)
+    topn_pad = triton.next_power_of_2(geo.num_selected)
+    # Never read without splits: any valid pointer does.
+    partial_tops = indices if splits == 1 else _allocate((splits, b * hs, n, topn_pad), torch.int64, q.device)
     start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
-    _select_blocks_kernel[grid](
-        q, ck, lse, indices, mask, scores,
+    _select_blocks_kernel[(*tops, splits)](
+        q, ck, lse, indices, mask, scores, partial_tops,
         *head_strides(q), *head_strides(ck),
         hs, n, start, start_ptr, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
-        geo.selection_block_size, num_selection_blocks(num_tokens, geo.selection_block_size),
-        geo.scale * LOG2E,
+        geo.selection_block_size, num_blocks, geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEADS_PER_SELECTION=hq // hs, HEAD_DIM=d,
-        IS_CAUSAL=geo.causal, TOPN=geo.num_selected,
-        TOPN_PAD=triton.next_power_of_2(geo.num_selected),
+        IS_CAUSAL=geo.causal, TOPN=geo.num_selected, TOPN_PAD=topn_pad,
         BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_n, BLOCK_S=block_s,
         S_STEP=s_step, NUM_C_TILES=num_c_tiles, BLOCK_D=_block_d(d),
         SPLIT_HALF=q.dtype != torch.float32, Q_START_IN_MEMORY=in_memory,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PARTIAL_OUTPUT=splits > 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+    if splits > 1:
+        # Rows of their own, not the scoring tile's: a decoding step's merge is one row.
+        merge_rows = triton.next_power_of_2(n)
+        _merge_partial_tops_kernel[(b * hs, triton.cdiv(n, merge_rows))](
+            partial_tops, indices, mask, scores, n, splits,
+            TOPN=geo.num_selected, TOPN_PAD=topn_pad, BLOCK_M=merge_rows,
+            MAX_SPLITS=_MAX_FEW_ROWS_SPLITS, num_warps=4,
+        )
     return BlockSelection(indices, mask, scores)
 
 
