@@ -14,6 +14,7 @@ kernel time and kernel count of one step (torch.profiler).
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from benchmarks.report import (  # noqa: E402
 from native_sparse_attention.static_cache import capture_step  # noqa: E402
 
 CACHED_LENS = (4096, 16384, 65536)
-WARMUP_STEPS, TIMED_STEPS = 16, 32
+WARMUP_STEPS, TIMED_STEPS, TIMED_RUNS = 16, 32, 5
 KINDS = ("dense", "nsa", "nsa_graph")
 
 
@@ -46,12 +47,15 @@ class DecodeTiming:
 def _timed(step: Callable[[], None]) -> DecodeTiming:
     for _ in range(WARMUP_STEPS):
         step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(TIMED_STEPS):
-        step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) / TIMED_STEPS * 1e3
+    run_ms = []
+    for _ in range(TIMED_RUNS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(TIMED_STEPS):
+            step()
+        torch.cuda.synchronize()
+        run_ms.append((time.perf_counter() - start) / TIMED_STEPS * 1e3)
+    wall_ms = statistics.median(run_ms)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -64,7 +68,7 @@ def measure(kind: str, n: int) -> DecodeTiming:
     ``kind`` is "dense", "nsa" or "nsa_graph" (NSA replaying a captured step)."""
     torch.manual_seed(0)
     layer = build("dense" if kind == "dense" else "nsa").eval()
-    steps = WARMUP_STEPS + TIMED_STEPS + 1
+    steps = WARMUP_STEPS + TIMED_RUNS * TIMED_STEPS + 1
     x = torch.randn(1, n + steps, DIM, device="cuda")
     tokens = iter(range(n, x.shape[1]))
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -107,7 +111,7 @@ def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
         "",
         "One layer of the layer benchmark's configuration, bf16 autocast, batch 1, no autograd: after a prefill "
         "of n tokens, one token per step through the layer's cache. ms / token: wall time per step over "
-        f"{TIMED_STEPS} steps run back to back; GPU ms and kernels: CUDA kernel time and launches of one step. "
+        f"{TIMED_STEPS} steps run back to back, the median of {TIMED_RUNS} such runs; GPU ms and kernels: CUDA kernel time and launches of one step. "
         "NSA decodes on its Triton kernels (the compressed branch and block selection, then the selected and "
         "sliding branches in one launch). Eager steps of both layers are bound by the host issuing their "
         "kernels, not by the GPU, so their wall times vary with the host's CPU by some 30% from one machine to "

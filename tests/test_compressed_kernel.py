@@ -205,17 +205,26 @@ def test_score_gradients_match_reference(case):
 
 
 def check_continuation(b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, share, offset,
-                       dtype=torch.float32, seed=0):
+                       dtype=torch.float32, seed=0, position_on_device=False):
     """The last ``n - offset`` queries against every compressed key of the n tokens, with
     ``q_offset=offset`` (a decoding step or a chunk that continues a cache), against the
-    reference at the same positions."""
+    reference at the same positions. ``position_on_device``: through
+    ``compressed_attend_and_select_at`` (causal only; no LSE to check)."""
     q, ck, cv = make_inputs(b, hq, hk, n, d, cbs, stride, num_mem, dtype, seed)
     q = q[:, :, offset:]
     with torch.no_grad():
-        out, lse, selection = compressed_attend_and_select(
-            q, ck, cv, cbs, stride, num_mem, sbs, top, causal=causal, share_selection=share,
-            q_offset=offset,
-        )
+        if position_on_device:
+            assert causal
+            out, selection = compressed.compressed_attend_and_select_at(
+                q, ck, cv, torch.tensor([offset], device=DEVICE), cbs, stride, num_mem, sbs, top,
+                share_selection=share,
+            )
+            lse = None
+        else:
+            out, lse, selection = compressed_attend_and_select(
+                q, ck, cv, cbs, stride, num_mem, sbs, top, causal=causal, share_selection=share,
+                q_offset=offset,
+            )
     ref_out, ref_lse, probs = compressed_attend(q.double(), ck.double(), cv.double(), cbs, stride,
                                                 num_mem, causal=causal, q_offset=offset,
                                                 return_probs=True)
@@ -225,9 +234,10 @@ def check_continuation(b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, 
     selectable = selectable_blocks(n - offset, offset, nc, cbs, stride, sbs, nsel, causal, q.device)
     tol, tie_tol, score_tol = tolerances(dtype)
     assert_close_scaled(out, ref_out, tol)
-    empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty)
-    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=tol * 10, rtol=tol)
+    if lse is not None:
+        empty = torch.isinf(ref_lse)
+        assert torch.equal(torch.isneginf(lse), empty)
+        torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], atol=tol * 10, rtol=tol)
     assert selection.indices.shape == (b, hk if share else hq, n - offset, top)
     assert_selection_matches(selection, scores, selectable, top, tie_tol, score_tol)
 
@@ -274,7 +284,8 @@ def test_position_read_on_the_device_matches_q_offset(share):
 @pytest.mark.parametrize("case", ["decode_step", "decode_step_per_head_no_memory", "chunk_across_blocks"])
 def test_few_query_forwards_split_among_programs(monkeypatch, case, splits):
     """Few queries' key tiles and selection blocks shared by several programs per query
-    tile, their partial outputs and top-n merged: more shares than work leave some empty."""
+    tile (decoding steps that read their position on the device), their partial outputs
+    and top-n merged: more shares than work leave some empty."""
     parts = []
 
     def few_rows_splits(rows, programs, work, device):
@@ -282,7 +293,7 @@ def test_few_query_forwards_split_among_programs(monkeypatch, case, splits):
         return splits
 
     monkeypatch.setattr(compressed, "_few_rows_splits", few_rows_splits)
-    check_continuation(*CONTINUATION_CASES[case])
+    check_continuation(*CONTINUATION_CASES[case], position_on_device=True)
     assert len(parts) == 2, "the attention and selection launches should both split"
     if splits == 5:
         assert min(parts) < splits, "every share had work"

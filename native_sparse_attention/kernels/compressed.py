@@ -40,11 +40,12 @@ them into the selection blocks they overlap, and keeps a running top-n per query
 ``[M, NC]`` probabilities and the ``[M, NSEL]`` importances never reach memory.
 
 Forwards of at most _FEW_ROWS queries (decoding steps) would run one program per head, each
-walking the whole cache, on a GPU of a hundred SMs and more. There the forward and the
-selection split each query tile's key tiles (chunks of selection blocks) among the
-programs of grid axis 2, each leaving a partial result: (output, LSE) for
-``_merge_partial_outputs_kernel``, a top-n for ``_merge_partial_tops_kernel``. At 64k
-cached tokens on an H100 this took a layer's decoding step from 0.51 to 0.23 ms.
+walking the whole cache, on a GPU of a hundred SMs and more. For the steps that CUDA graphs
+replay (the query position read on the device), the forward and the selection split each
+query tile's key tiles (chunks of selection blocks) among the programs of grid axis 2,
+each leaving a partial result: (output, LSE) for ``_merge_partial_outputs_kernel``, a
+top-n for ``_merge_partial_tops_kernel``. At 64k cached tokens on an H100 this took a
+layer's replayed decoding step from 0.51 to 0.23 ms.
 
 Programs walk query tiles last-to-first: in causal mode the last tiles see the most keys,
 and launching them first shortens the tail of the grid.
@@ -854,7 +855,12 @@ def _few_rows_splits(rows: int, programs: int, parts: int, device: torch.device)
     ``programs`` (head, query tile) pairs over ``rows`` queries whose longest row has
     ``parts`` pieces of work (key tiles, chunks of selection blocks), each share left as a
     partial result that a second kernel merges. Only forwards of at most _FEW_ROWS queries
-    split: a decoding step is a handful of programs, each walking the whole cache."""
+    split: a decoding step is a handful of programs, each walking the whole cache.
+
+    The launchers split only for queries whose position is read on the device, the steps
+    that CUDA graphs replay. An eager step is bound by the host issuing its kernels: the
+    merge kernels' launches made it 0.2 ms slower on an H100 (of about 2.5 ms), more than
+    the split saved on the GPU."""
     if rows > _FEW_ROWS:
         return 1
     wanted = triton.cdiv(_FEW_ROWS_PROGRAMS_PER_SM * _multiprocessors(device), max(programs, 1))
@@ -887,7 +893,9 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
     out = _allocate((b, hq, n, d), q.dtype, q.device)
     lse = _allocate((b, hq, n), torch.float32, q.device)
     grid = (b * hq, triton.cdiv(n, tiles.block_m))
-    splits = _few_rows_splits(n, math.prod(grid), triton.cdiv(num_keys, tiles.block_n), q.device)
+    splits = 1
+    if position is not None:
+        splits = _few_rows_splits(n, math.prod(grid), triton.cdiv(num_keys, tiles.block_n), q.device)
     if splits > 1:
         partial_out = _allocate((splits, b * hq, n, d), torch.float32, q.device)
         partial_lse = _allocate((splits, b * hq, n), torch.float32, q.device)
@@ -1040,7 +1048,9 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
         num_tokens = (num_keys - geo.num_mem) * geo.compress_stride + geo.compress_block_size
     num_blocks = num_selection_blocks(num_tokens, geo.selection_block_size)
     tops = (b * hs, triton.cdiv(n, tiles.block_m))
-    splits = _few_rows_splits(n, math.prod(tops), triton.cdiv(num_blocks, s_step), q.device)
+    splits = 1
+    if position is not None:
+        splits = _few_rows_splits(n, math.prod(tops), triton.cdiv(num_blocks, s_step), q.device)
     topn_pad = triton.next_power_of_2(geo.num_selected)
     # Never read without splits: any valid pointer does.
     partial_tops = indices if splits == 1 else _allocate((splits, b * hs, n, topn_pad), torch.int64, q.device)
