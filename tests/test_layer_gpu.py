@@ -53,12 +53,12 @@ def _layer_pair(config, **options):
     return fast, reference
 
 
-def _sharpened_pair(monkeypatch, **options):
-    """A Triton-path and a PyTorch-path SMALL_CONFIG layer with the same weights, the
-    Triton one taking its fast path on CPU tensors (under the interpreter). A sharper
-    compressed attention separates the block scores, so float32 rounding cannot reorder
-    the selection."""
-    fast, reference = _layer_pair(SMALL_CONFIG, use_triton_kernel=True, **options)
+def _sharpened_pair(monkeypatch, config=SMALL_CONFIG, **options):
+    """A Triton-path and a PyTorch-path layer (SMALL_CONFIG by default) with the same
+    weights, the Triton one taking its fast path on CPU tensors (under the interpreter). A
+    sharper compressed attention separates the block scores, so float32 rounding cannot
+    reorder the selection."""
+    fast, reference = _layer_pair(config, use_triton_kernel=True, **options)
     with torch.no_grad():
         fast.to_qkv.weight.mul_(4.0)
         reference.to_qkv.weight.copy_(fast.to_qkv.weight)
@@ -207,11 +207,20 @@ def _decode_static(layer, x, prefill_len, capacity):
 
 
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
-@pytest.mark.parametrize("share, prefill_len", [(True, 13), (False, 1)])
-def test_static_cache_decoding_matches_pytorch_path_interpreted(monkeypatch, share, prefill_len):
+@pytest.mark.parametrize("share, prefill_len, split", [(True, 13, False), (False, 1, False), (True, 5, True)])
+def test_static_cache_decoding_matches_pytorch_path_interpreted(monkeypatch, share, prefill_len, split):
+    """``split``: the compressed forward and the block selection split each step's work
+    among programs, as they do for few queries on a large GPU (denser compressed keys make
+    the interpreter's 16-key tiles several)."""
+    from native_sparse_attention.kernels import compressed
+
     torch.manual_seed(4)
+    config = SMALL_CONFIG
+    if split:
+        config = {**SMALL_CONFIG, "compress_block_size": 4, "compress_block_sliding_stride": 2}
+        monkeypatch.setattr(compressed, "_FEW_ROWS_PROGRAMS_PER_SM", 64)
     fast, reference = _sharpened_pair(
-        monkeypatch, causal=True, query_heads_share_selected_kv=share, num_compressed_mem_kv=2
+        monkeypatch, config, causal=True, query_heads_share_selected_kv=share, num_compressed_mem_kv=2
     )
     x = torch.randn(2, 34, SMALL_CONFIG["dim"])
     with torch.no_grad():
