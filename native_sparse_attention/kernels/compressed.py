@@ -859,8 +859,8 @@ def _few_rows_splits(rows: int, programs: int, parts: int, device: torch.device)
 
     The launchers split only for queries whose position is read on the device, the steps
     that CUDA graphs replay. An eager step is bound by the host issuing its kernels: the
-    merge kernels' launches made it 0.2 ms slower on an H100 (of about 2.5 ms), more than
-    the split saved on the GPU."""
+    merge kernels' launches made it 0.2-0.5 ms slower on an H100 (of about 2.5 ms), more
+    than the split saved on the GPU."""
     if rows > _FEW_ROWS:
         return 1
     wanted = triton.cdiv(_FEW_ROWS_PROGRAMS_PER_SM * _multiprocessors(device), max(programs, 1))
