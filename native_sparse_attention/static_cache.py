@@ -150,24 +150,17 @@ def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAtte
 def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) -> None:
     """Writes the token's keys and values ([b, hk, 1, d] each) at ``cache.position`` and
     compresses the window ending there into its row (the spare row if incomplete)."""
-    position, window, stride = cache.position, layer.compress_block_size, layer.compress_stride
-    dtype = cache.keys.dtype
+    from native_sparse_attention.kernels.cache_write import write_compressed_row, write_ring_and_read_window
+
+    position, dtype = cache.position, cache.keys.dtype
+    # index_copy_ checks the position against the capacity on the device.
     cache.keys.index_copy_(2, position, rk.to(dtype))
     cache.values.index_copy_(2, position, v.to(dtype))
-    slot = position % window
-    cache.recent_keys.index_copy_(2, slot, k.to(dtype))
-    cache.recent_values.index_copy_(2, slot, v.to(dtype))
-
-    # Tokens position - window + 1 .. position, oldest first.
-    rows = (position + 1 + torch.arange(window, device=position.device)) % window
-    recent_k, recent_v = (t.index_select(2, rows)[:, :, None] for t in (cache.recent_keys, cache.recent_values))
+    recent_k = write_ring_and_read_window(position, k, cache.recent_keys)
+    recent_v = write_ring_and_read_window(position, v, cache.recent_values)
     new_ck, new_cv = layer._compress_windows(recent_k, recent_v)
-    start = position + 1 - window
-    complete = (start >= 0) & (start % stride == 0)
-    spare_row = cache.compressed_keys.shape[2] - 1
-    row = torch.where(complete, layer.num_mem + start.div(stride, rounding_mode="floor"), spare_row)
-    cache.compressed_keys.index_copy_(2, row, new_ck.to(dtype))
-    cache.compressed_values.index_copy_(2, row, new_cv.to(dtype))
+    for new, buffer in ((new_ck, cache.compressed_keys), (new_cv, cache.compressed_values)):
+        write_compressed_row(position, new, buffer, layer.num_mem, layer.compress_block_size, layer.compress_stride)
 
 
 def _check(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAttentionCache) -> None:
