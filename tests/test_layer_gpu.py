@@ -176,13 +176,18 @@ def test_triton_decoding_matches_pytorch_path_interpreted(monkeypatch, share, us
     assert _relative_error(_decode(fast, x, 33).detach(), expected) < 1e-5
 
 
+def _decoding_pair(share: bool):
+    """CONFIG layers on CUDA in eval mode: the Triton path and the PyTorch path, same weights."""
+    fast, reference = _layer_pair(CONFIG, query_heads_share_selected_kv=share, use_triton_kernel=True)
+    return fast.cuda().eval(), reference.cuda().eval()
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("share", [True, False])
 def test_triton_decoding_matches_pytorch_path(share):
     torch.manual_seed(3)
-    fast, reference = _layer_pair(CONFIG, query_heads_share_selected_kv=share, use_triton_kernel=True)
-    fast, reference = fast.cuda().eval(), reference.cuda().eval()
+    fast, reference = _decoding_pair(share)
     x = torch.randn(1, 4096 + 64, CONFIG["dim"], device="cuda")
     with torch.no_grad():
         expected = reference(x)[:, 4096:]
@@ -260,8 +265,7 @@ def test_cuda_graph_decoding_matches_pytorch_path(share):
     from native_sparse_attention.static_cache import capture_step
 
     torch.manual_seed(5)
-    fast, reference = _layer_pair(CONFIG, query_heads_share_selected_kv=share, use_triton_kernel=True)
-    fast, reference = fast.cuda().eval(), reference.cuda().eval()
+    fast, reference = _decoding_pair(share)
     prefill, steps = 4096, 80
     x = torch.randn(1, prefill + steps, CONFIG["dim"], device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):

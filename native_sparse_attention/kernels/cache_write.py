@@ -29,12 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.library import head_pointer
+
 __all__ = ["write_compressed_row", "write_ring_and_read_window"]
-
-
-@triton.jit
-def _head_rows(ptr, z, h, stride_z, stride_h):
-    return ptr + z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h
 
 
 @triton.jit
@@ -52,8 +49,8 @@ def _ring_window_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    new = tl.load(_head_rows(NEW, z, h, stride_nz, stride_nh) + offs_d, mask=d_ok, other=0.0)
-    ring = _head_rows(RING, z, h, stride_rz, stride_rh)
+    new = tl.load(head_pointer(NEW, z, h, stride_nz, stride_nh) + offs_d, mask=d_ok, other=0.0)
+    ring = head_pointer(RING, z, h, stride_rz, stride_rh)
 
     # Window row t holds token position - WINDOW + 1 + t; the last is the new token, whose
     # slot the ring still holds the token WINDOW steps back in.
@@ -85,13 +82,9 @@ def _compressed_row_kernel(
     row = tl.where(complete, row, SPARE_ROW)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    new = tl.load(_head_rows(NEW, z, h, stride_nz, stride_nh) + offs_d, mask=d_ok)
-    tl.store(_head_rows(BUFFER, z, h, stride_bz, stride_bh) + row.to(tl.int64) * stride_bn + offs_d,
+    new = tl.load(head_pointer(NEW, z, h, stride_nz, stride_nh) + offs_d, mask=d_ok)
+    tl.store(head_pointer(BUFFER, z, h, stride_bz, stride_bh) + row.to(tl.int64) * stride_bn + offs_d,
              new.to(BUFFER.dtype.element_ty), mask=d_ok)
-
-
-def _block_d(head_dim: int) -> int:
-    return triton.next_power_of_2(head_dim)
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -108,7 +101,7 @@ def write_ring_and_read_window(position: torch.Tensor, new: torch.Tensor, ring: 
     out = _empty((b, h, 1, window, d), ring.dtype, ring.device)
     _ring_window_kernel[(b * h,)](
         position, new, ring, out, new.stride(0), new.stride(1), *ring.stride()[:3], h,
-        WINDOW=window, BLOCK_W=triton.next_power_of_2(window), D=d, BLOCK_D=_block_d(d),
+        WINDOW=window, BLOCK_W=triton.next_power_of_2(window), D=d, BLOCK_D=triton.next_power_of_2(d),
         num_warps=1,
     )
     return out
@@ -123,5 +116,5 @@ def write_compressed_row(position: torch.Tensor, new: torch.Tensor, buffer: torc
     assert new.shape == (b, h, 1, d) and new.stride(-1) == 1 and buffer.stride(-1) == 1
     _compressed_row_kernel[(b * h,)](
         position, new, buffer, new.stride(0), new.stride(1), *buffer.stride()[:3],
-        h, num_mem, window, stride, rows - 1, D=d, BLOCK_D=_block_d(d), num_warps=1,
+        h, num_mem, window, stride, rows - 1, D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1,
     )

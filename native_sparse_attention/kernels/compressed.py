@@ -75,6 +75,7 @@ import triton.language as tl
 from triton.language.standard import bitonic_merge
 
 from native_sparse_attention.kernels.library import (
+    head_pointer,
     head_strides,
     is_tokens_major,
     launcher_op,
@@ -169,11 +170,6 @@ def _query_key_ranges(m_start, M, Q_START, NUM_MEM, NC, CBS, STRIDE, BLOCK_M: tl
     return full_keys // BLOCK_N * BLOCK_N, keys_end
 
 
-@triton.jit
-def _head_pointers(ptr, z, h, stride_z, stride_h):
-    return ptr + z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h
-
-
 # ---------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------
@@ -253,7 +249,7 @@ def _attention_fwd_kernel(
                     HEAD_DIM)
         tl.store(PARTIAL_LSE + part + rows, lse, mask=rows < M)
     else:
-        o_ptr = _head_pointers(OUT, z, h, stride_oz, stride_oh)
+        o_ptr = head_pointer(OUT, z, h, stride_oz, stride_oh)
         _store_rows(o_ptr, m_start, stride_om, M, out, BLOCK_M, BLOCK_D, HEAD_DIM)
         tl.store(LSE + zh.to(tl.int64) * M + rows, lse, mask=rows < M)
 
@@ -290,7 +286,7 @@ def _merge_partial_outputs_kernel(
     has_keys = l_i > 0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    _store_rows(_head_pointers(OUT, z, h, stride_oz, stride_oh), m_start, stride_om, M, acc,
+    _store_rows(head_pointer(OUT, z, h, stride_oz, stride_oh), m_start, stride_om, M, acc,
                 BLOCK_M, BLOCK_D, HEAD_DIM)
     tl.store(LSE + zh.to(tl.int64) * M + rows, lse, mask=rows < M)
 
@@ -311,9 +307,9 @@ def _output_grad_dot_kernel(
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
     m_start = tl.program_id(1) * BLOCK_M
-    o = _load_rows(_head_pointers(OUT, z, h, stride_oz, stride_oh), m_start, stride_om, M,
+    o = _load_rows(head_pointer(OUT, z, h, stride_oz, stride_oh), m_start, stride_om, M,
                    BLOCK_M, BLOCK_D, HEAD_DIM)
-    do = _load_rows(_head_pointers(DOUT, z, h, stride_dz, stride_dh), m_start, stride_dm, M,
+    do = _load_rows(head_pointer(DOUT, z, h, stride_dz, stride_dh), m_start, stride_dm, M,
                     BLOCK_M, BLOCK_D, HEAD_DIM)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     rows = m_start + tl.arange(0, BLOCK_M)
@@ -543,7 +539,7 @@ def _attention_bwd_dq_kernel(
     if SCORE_GRAD:
         sel_ptr, dscore_ptr = _selection_pointers(SEL, DSCORE, z, h, M, HQ,
                                                   HEADS_PER_SELECTION, TOPN)
-        k_ptr = _head_pointers(K, z, kv_head, stride_kz, stride_kh)
+        k_ptr = head_pointer(K, z, kv_head, stride_kz, stride_kh)
         dq, pg = _score_path(q, lse, rows, M, k_ptr, stride_kn, sel_ptr, dscore_ptr,
                              key_limit, NUM_MEM, CBS, STRIDE, SBS, qk_scale, TOPN,
                              KEYS_PER_BLOCK, BLOCK_M, BLOCK_D, HEAD_DIM)
@@ -558,7 +554,7 @@ def _attention_bwd_dq_kernel(
     for key_start in range(full_end, keys_end, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
                       qk_scale, BLOCK_N, BLOCK_D, True)
-    _store_rows(_head_pointers(DQ, z, h, stride_gz, stride_gh), m_start, stride_gm, M,
+    _store_rows(head_pointer(DQ, z, h, stride_gz, stride_gh), m_start, stride_gm, M,
                 dq * sm_scale, BLOCK_M, BLOCK_D, HEAD_DIM)
 
 
@@ -611,7 +607,7 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
     rows = m_start + tl.arange(0, BLOCK_M)
     p = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     for g in range(HEADS_PER_SELECTION):
-        q_ptr = _head_pointers(Q, z, first_head + g, stride_qz, stride_qh)
+        q_ptr = head_pointer(Q, z, first_head + g, stride_qz, stride_qh)
         q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
         lse = _load_lse_log2(lse_ptr + g * M, rows, M)
         p += tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
@@ -663,7 +659,7 @@ def _select_blocks_kernel(
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     NC = N - NUM_MEM
     first_head = hs * HEADS_PER_SELECTION
-    k_ptr = _head_pointers(K, z, first_head // GQA_SHARED_HEADS, stride_kz, stride_kh)
+    k_ptr = head_pointer(K, z, first_head // GQA_SHARED_HEADS, stride_kz, stride_kh)
     lse_ptr = LSE + (z.to(tl.int64) * HS * HEADS_PER_SELECTION + first_head) * M
 
     rows = m_start + tl.arange(0, BLOCK_M)

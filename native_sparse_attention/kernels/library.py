@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["NAMESPACE", "launcher_op", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
-           "row_tiles", "position_in_memory", "start_position"]
+           "row_tiles", "position_in_memory", "start_position", "head_pointer"]
 
 NAMESPACE = "native_sparse_attention"
 
@@ -117,6 +117,12 @@ def row_tiles(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescripto
         d = t.shape[-1]
         t = F.pad(t, (0, -d % (16 // t.element_size())))[..., :d]
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, block_d])
+
+
+@triton.jit
+def head_pointer(ptr, z, h, stride_z, stride_h):
+    """``ptr`` advanced to head ``[z, h]`` in int64, so that huge tensors stay addressable."""
+    return ptr + z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h
 
 
 @triton.jit
