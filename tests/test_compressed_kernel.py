@@ -249,6 +249,7 @@ CONTINUATION_CASES = {
     "decode_step_first_block": (1, 2, 1, 9, 16, 8, 4, 1, 4, 2, True, True, 8),
     "chunk_across_blocks": (1, 4, 1, 75, 16, 8, 4, 2, 16, 2, True, True, 51),
     "non_causal_chunk": (1, 2, 2, 40, 16, 4, 2, 1, 8, 3, False, True, 17),
+    "decode_step_top_one": (2, 1, 1, 70, 16, 8, 4, 1, 16, 1, True, False, 69),
 }
 
 
@@ -281,7 +282,8 @@ def test_position_read_on_the_device_matches_q_offset(share):
 
 
 @pytest.mark.parametrize("splits", [2, 5])
-@pytest.mark.parametrize("case", ["decode_step", "decode_step_per_head_no_memory", "chunk_across_blocks"])
+@pytest.mark.parametrize("case", ["decode_step", "decode_step_per_head_no_memory", "chunk_across_blocks",
+                                  "decode_step_top_one"])
 def test_few_query_forwards_split_among_programs(monkeypatch, case, splits):
     """Few queries' key tiles and selection blocks shared by several programs per query
     tile (decoding steps that read their position on the device), their partial outputs

@@ -15,8 +15,9 @@ Causal: the query at position ``t`` sees compressed key ``c`` iff its last token
 ``c * STRIDE + CBS - 1 < t``, so the visible compressed keys are the prefix
 ``c < num_visible(t)``.
 SBS: selection block size; selection block ``j`` covers tokens ``[j * SBS, (j + 1) * SBS)``;
-NSEL = ceil((Q_START + M) / SBS). TOPN: blocks selected per query. HS: selection heads (HKV when a
-group shares its selection, HQ otherwise); HEADS_PER_SELECTION query heads score each one.
+NSEL = ceil((Q_START + M) / SBS). TOPN: blocks selected per query; TOPN_PAD: TOPN rounded up to
+a power of two, at least 2. HS: selection heads (HKV when a group shares its selection, HQ
+otherwise); HEADS_PER_SELECTION query heads score each one.
 BLOCK_M: query tile; BLOCK_N: key tile; BLOCK_C: compressed keys per scoring tile;
 BLOCK_S: lanes of a chunk of selection blocks, S_STEP of them used.
 SEL, DSCORE: the chosen blocks ``[Z, HS, M, TOPN]`` and the gradient of their scores;
@@ -1047,7 +1048,9 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
     splits = 1
     if position is not None:
         splits = _few_rows_splits(n, math.prod(tops), triton.cdiv(num_blocks, s_step), q.device)
-    topn_pad = triton.next_power_of_2(geo.num_selected)
+    # At least 2: triton 3.6 fails to compile tl.topk(x, 1) of a single-row x, the merge
+    # of a one-query step's partial tops.
+    topn_pad = max(2, triton.next_power_of_2(geo.num_selected))
     # Never read without splits: any valid pointer does.
     partial_tops = indices if splits == 1 else _allocate((splits, b * hs, n, topn_pad), torch.int64, q.device)
     start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
