@@ -234,6 +234,63 @@ def test_static_cache_decoding_matches_pytorch_path_interpreted(monkeypatch, sha
     assert _relative_error(decoded, expected) < 1e-5
 
 
+# Layer shapes off the beaten track: a top-1 selection, heads in groups of five, no memory
+# keys or no window, head dims that are no power of two, windows wider than the sequence,
+# overlapping compression windows of stride 2.
+ODD_CONFIGS = {
+    "groups_of_five_top_one": dict(
+        dim=24, dim_head=24, heads=5, kv_heads=1, sliding_window_size=5, compress_block_size=6,
+        compress_block_sliding_stride=2, selection_block_size=16, num_selected_blocks=1, causal=True),
+    "no_memory_no_window": dict(
+        dim=16, dim_head=8, heads=3, kv_heads=1, sliding_window_size=0, compress_block_size=16,
+        compress_block_sliding_stride=8, selection_block_size=32, num_selected_blocks=2,
+        num_compressed_mem_kv=0, causal=True, query_heads_share_selected_kv=False),
+    "per_head_straight_through_wide_window": dict(
+        dim=48, dim_head=40, heads=2, kv_heads=1, sliding_window_size=60, compress_block_size=8,
+        compress_block_sliding_stride=4, selection_block_size=32, num_selected_blocks=3,
+        num_compressed_mem_kv=2, causal=True, query_heads_share_selected_kv=False, use_diff_topk=True),
+    "window_one_no_selection": dict(
+        dim=32, dim_head=16, heads=2, kv_heads=2, sliding_window_size=1, compress_block_size=12,
+        compress_block_sliding_stride=4, selection_block_size=16, num_selected_blocks=0, causal=True),
+    "non_causal_groups_of_two": dict(
+        dim=24, dim_head=16, heads=6, kv_heads=3, sliding_window_size=7, compress_block_size=4,
+        compress_block_sliding_stride=4, selection_block_size=16, num_selected_blocks=2),
+}
+
+
+@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+@pytest.mark.parametrize("config", ODD_CONFIGS.values(), ids=ODD_CONFIGS.keys())
+def test_odd_configurations_match_pytorch_path_interpreted(monkeypatch, config):
+    """Training step, then (causal layers) decoding token by token, in chunks and through a
+    static cache whose steps split their work among programs."""
+    from native_sparse_attention.kernels import compressed
+
+    torch.manual_seed(6)
+    fast, reference = _sharpened_pair(monkeypatch, config)
+    x = torch.randn(2, 35, config["dim"])
+    grad_out = torch.randn_like(x)
+    (out, dx, grads), (ref_out, ref_dx, ref_grads) = _run(fast, x, grad_out), _run(reference, x, grad_out)
+    assert _relative_error(out, ref_out) < 1e-5
+    assert _relative_error(dx, ref_dx) < 1e-5
+    # Relative to the whole gradient's norm where a parameter's own is near zero: without
+    # memory keys, a bias shared by all compressed keys shifts every compressed score of a
+    # query equally, so its exact gradient is 0 and both paths return rounding noise.
+    floor = 1e-3 * torch.stack([grad.norm() for grad in ref_grads.values()]).norm()
+    for name, grad in grads.items():
+        error = (grad - ref_grads[name]).norm() / torch.maximum(ref_grads[name].norm(), floor)
+        assert error < 1e-4, name
+    if not config.get("causal", False):
+        return
+
+    monkeypatch.setattr(compressed, "_FEW_ROWS_PROGRAMS_PER_SM", 64)
+    fast.eval()
+    with torch.no_grad():
+        expected = ref_out[:, 30:]
+        assert _relative_error(_decode(fast, x, 30)[:, 30:], expected) < 1e-5
+        assert _relative_error(_decode(fast, x, 30, chunks=(3,))[:, 30:], expected) < 1e-5
+        assert _relative_error(_decode_static(fast, x, 30, capacity=37)[:, 30:], expected) < 1e-5
+
+
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
 def test_static_cache_rejects_what_it_cannot_decode(monkeypatch):
     layer = SparseAttention(**SMALL_CONFIG, causal=True)
