@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from einops import reduce
 
-from native_sparse_attention.reference import compressed_key_last_positions
+from native_sparse_attention.reference import compressed_key_last_positions, without_autocast
 
 __all__ = [
     "BlockSelection",
@@ -74,6 +74,7 @@ def block_overlap(
     return overlaps.to(dtype)
 
 
+@without_autocast
 def selection_block_scores(
     compressed_probs: torch.Tensor,
     compress_block_size: int,

@@ -150,3 +150,30 @@ def test_non_causal_selection_allows_every_covered_block():
     # The tail of an n that no window covers is never selectable.
     selectable = selectable_blocks(22, 0, num_compressed_blocks(22, cbs, stride), cbs, stride, sbs, 6, causal=False)
     assert selectable[:, :5].all() and not selectable[:, 5].any()
+
+
+def test_autocast_leaves_the_reference_in_float32():
+    """Under autocast the branches and the block scores compute as without it: float32
+    matmuls, not bfloat16 ones beside float32 softmaxes (under CPU autocast the mixed
+    dtypes made ``selected_attend``'s scatter_add fail; CUDA's promotes them)."""
+    b, hq, hk, n, d, cbs, stride, sbs = 2, 4, 2, 29, 8, 4, 2, 4
+    q, k, v = (torch.randn(b, h, n, d) for h in (hq, hk, hk))
+    ck, cv = (torch.randn(b, hk, 1 + num_compressed_blocks(n, cbs, stride), d) for _ in range(2))
+    probs = torch.rand(b, hq, n, ck.shape[2] - 1)
+    num_blocks = math.ceil(n / sbs)
+    indices = torch.randint(0, num_blocks, (b, hk, n, 3))
+
+    def branches():
+        return (
+            *sliding_window_attend(q, k, v, 5),
+            *compressed_attend(q, ck, cv, cbs, stride, num_mem=1),
+            *selected_attend(q, k, v, sbs, indices, torch.ones_like(indices, dtype=torch.bool)),
+            selection_block_scores(probs, cbs, stride, sbs, num_blocks, kv_heads=hk),
+        )
+
+    expected = branches()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        found = branches()
+    for got, want in zip(found, expected, strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -293,3 +293,22 @@ def test_a_cache_that_does_not_fit_is_rejected():
         layer(torch.randn(1, 1, DIM), cache={"keys": None})
     with pytest.raises(ValueError, match="causal"):
         make_layer(causal=False)(torch.randn(1, 3, DIM), return_cache=True)
+
+
+def test_autocast_trains_and_decodes_on_the_pytorch_path():
+    """bfloat16 autocast (here the CPU's) over the PyTorch path: the projections run in
+    bfloat16, the branches in float32; a training step and decoding stay close to float32."""
+    layer = make_layer(BLOCK_CONFIGS[1], kv_heads=2, num_selected_blocks=3)
+    x = torch.randn(2, 41, DIM, requires_grad=True)
+    expected = layer(x)
+    expected.sum().backward()
+    expected_grad, x.grad = x.grad, None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        out.float().sum().backward()
+        with torch.no_grad():
+            decoded, _ = _decode(layer.eval(), x.detach(), 30)
+    assert out.dtype == torch.bfloat16
+    for got, want in ((out, expected), (x.grad, expected_grad), (decoded, expected)):
+        assert torch.isfinite(got).all()
+        assert ((got.float() - want).norm() / want.norm()).item() < 3e-2
