@@ -242,9 +242,9 @@ ODD_CONFIGS = {
         dim=24, dim_head=24, heads=5, kv_heads=1, sliding_window_size=5, compress_block_size=6,
         compress_block_sliding_stride=2, selection_block_size=16, num_selected_blocks=1, causal=True),
     "no_memory_no_window": dict(
-        dim=16, dim_head=8, heads=3, kv_heads=1, sliding_window_size=0, compress_block_size=16,
+        dim=16, dim_head=8, heads=2, kv_heads=1, sliding_window_size=0, compress_block_size=16,
         compress_block_sliding_stride=8, selection_block_size=32, num_selected_blocks=2,
-        num_compressed_mem_kv=0, causal=True, query_heads_share_selected_kv=False),
+        num_compressed_mem_kv=0, causal=True),
     "per_head_straight_through_wide_window": dict(
         dim=48, dim_head=40, heads=2, kv_heads=1, sliding_window_size=60, compress_block_size=8,
         compress_block_sliding_stride=4, selection_block_size=32, num_selected_blocks=3,
