@@ -3,9 +3,9 @@
 These functions define the semantics that every fast path (the Triton kernels, the
 layer's CUDA path, the decoding path) is tested against. They favour clarity over speed,
 run on any device and in any floating dtype (half inputs are computed in float32,
-float64 inputs stay in float64, autocast or not), and are the layer's CPU path. Each holds the ``[m, n]``
-logits of every query head (never per-query copies of keys or values), so memory grows
-at most as ``hq * m * n``.
+float64 inputs stay in float64, autocast or not), and are the layer's CPU path. Each
+holds the ``[m, n]`` logits of every query head (never per-query copies of keys or
+values), so memory grows at most as ``hq * m * n``.
 
 Shared conventions
 ------------------
