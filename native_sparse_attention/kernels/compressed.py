@@ -76,6 +76,7 @@ import triton.language as tl
 from triton.language.standard import bitonic_merge
 
 from native_sparse_attention.kernels.library import (
+    dot_precision,
     head_pointer,
     head_strides,
     is_tokens_major,
@@ -178,9 +179,9 @@ def _query_key_ranges(m_start, M, Q_START, NUM_MEM, NC, CBS, STRIDE, BLOCK_M: tl
 
 @triton.jit
 def _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit, qk_scale,
-                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Folds one key tile into the running (acc, row max, row sum), all in base 2."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         cols = key_start + tl.arange(0, BLOCK_N)
         s = tl.where(cols[None, :] < key_limit[:, None], s, float("-inf"))
@@ -190,7 +191,7 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit, qk_scale,
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(s - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -206,7 +207,7 @@ def _attention_fwd_kernel(
     HQ, M, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, qk_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    Q_START_IN_MEMORY: tl.constexpr, PARTIAL_OUTPUT: tl.constexpr,
+    Q_START_IN_MEMORY: tl.constexpr, PARTIAL_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Program (zh, tile, split) attends the split-th of tl.num_programs(2) shares of the
     # query tile's key tiles. With PARTIAL_OUTPUT it leaves its normalised output and
@@ -233,12 +234,12 @@ def _attention_fwd_kernel(
         k = _load_tile(K_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         v = _load_tile(V_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit,
-                                             qk_scale, BLOCK_N, False)
+                                             qk_scale, BLOCK_N, False, DOT_PRECISION)
     for key_start in range(tl.maximum(full_end, share_start), share_end, BLOCK_N):
         k = _load_tile(K_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         v = _load_tile(V_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit,
-                                             qk_scale, BLOCK_N, True)
+                                             qk_scale, BLOCK_N, True, DOT_PRECISION)
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -320,7 +321,7 @@ def _output_grad_dot_kernel(
 @triton.jit
 def _score_grad_t(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
                   TOPN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_J: tl.constexpr):
+                  BLOCK_J: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """G^T, with G = dL/dP that the selection scores add, for one (key tile, query tile):
     ``[BLOCK_N, BLOCK_M]``.
 
@@ -358,7 +359,7 @@ def _score_grad_t(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE,
     overlap = ((comp[:, None] >= 0)
                & (comp[:, None] * STRIDE < (blocks[None, :] + 1) * SBS)
                & (blocks[None, :] * SBS < comp[:, None] * STRIDE + CBS))
-    return tl.dot(overlap.to(tl.float32), block_grad)
+    return tl.dot(overlap.to(tl.float32), block_grad, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -375,7 +376,7 @@ def _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_pt
                m_start, M, key_start, NUM_MEM, NC, CBS, STRIDE, SBS, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, SCORE_GRAD: tl.constexpr,
-               TOPN: tl.constexpr, BLOCK_J: tl.constexpr):
+               TOPN: tl.constexpr, BLOCK_J: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Adds one query tile's contribution to the key tile's dK (unscaled) and dV.
 
     Works on the transposed scores ``[BLOCK_N, BLOCK_M]``: P^T and dS^T then come out of
@@ -387,18 +388,18 @@ def _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_pt
     do = _load_tile(DO_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
     lse = _load_lse_log2(lse_ptr, rows, M)
     delta = tl.load(delta_ptr + rows, mask=rows < M, other=0.0)
-    p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+    p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
     if MASKED:
         key_limit = NUM_MEM + _num_visible(rows, NC, CBS, STRIDE, IS_CAUSAL)
         cols = key_start + tl.arange(0, BLOCK_N)
         p_t = tl.where(cols[:, None] < key_limit[None, :], p_t, 0.0)
-    dv += tl.dot(p_t.to(do.dtype), do)
-    dp_t = tl.dot(v, tl.trans(do))
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if SCORE_GRAD:
         dp_t += _score_grad_t(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE,
-                              SBS, TOPN, BLOCK_M, BLOCK_N, BLOCK_J)
+                              SBS, TOPN, BLOCK_M, BLOCK_N, BLOCK_J, DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q.dtype), q)
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -418,7 +419,7 @@ def _attention_bwd_dkdv_kernel(
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCORE_GRAD: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr, TOPN: tl.constexpr,
-    BLOCK_J: tl.constexpr,
+    BLOCK_J: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # DK, DV: [QUERY_SPLITS, Z, HQ, N, D] fp32 partials of this query head and share of
     # the rows (program_id(2)), contiguous.
@@ -450,12 +451,12 @@ def _attention_bwd_dkdv_kernel(
         dk, dv = _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_ptr,
                             dscore_ptr, m_start, M, key_start, NUM_MEM, NC, CBS, STRIDE, SBS,
                             qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IS_CAUSAL, True, SCORE_GRAD,
-                            TOPN, BLOCK_J)
+                            TOPN, BLOCK_J, DOT_PRECISION)
     for m_start in range(tl.maximum(rows_full, rows_lo), rows_hi, BLOCK_M):
         dk, dv = _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_ptr,
                             dscore_ptr, m_start, M, key_start, NUM_MEM, NC, CBS, STRIDE, SBS,
                             qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IS_CAUSAL, False, SCORE_GRAD,
-                            TOPN, BLOCK_J)
+                            TOPN, BLOCK_J, DOT_PRECISION)
 
     part = (split.to(tl.int64) * tl.num_programs(0) + zh) * N * HEAD_DIM
     _store_rows(DK + part, key_start, HEAD_DIM, N, dk * sm_scale, BLOCK_N, BLOCK_D, HEAD_DIM)
@@ -464,17 +465,18 @@ def _attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_step(dq, q, do, lse, delta, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
-             qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+             qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
     """Adds one key tile's contribution to the query tile's dQ (unscaled)."""
     k = _load_tile(K_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
     v = _load_tile(V_TILES, z, kv_head, key_start, BLOCK_N, BLOCK_D)
-    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
     if MASKED:
         cols = key_start + tl.arange(0, BLOCK_N)
         p = tl.where(cols[None, :] < key_limit[:, None], p, 0.0)
-    dp = tl.dot(do, tl.trans(v))
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k)
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -519,7 +521,7 @@ def _attention_bwd_dq_kernel(
     GQA_SHARED_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SCORE_GRAD: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr, TOPN: tl.constexpr,
-    KEYS_PER_BLOCK: tl.constexpr,
+    KEYS_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # With SCORE_GRAD, dS = P * (dP + G - delta - rowsum(P * G)): this kernel adds the
     # last term to DELTA, in place, for the dK / dV kernel that runs after it. K (with
@@ -551,10 +553,10 @@ def _attention_bwd_dq_kernel(
                                            BLOCK_M, BLOCK_N, IS_CAUSAL)
     for key_start in range(0, full_end, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
-                      qk_scale, BLOCK_N, BLOCK_D, False)
+                      qk_scale, BLOCK_N, BLOCK_D, False, DOT_PRECISION)
     for key_start in range(full_end, keys_end, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
-                      qk_scale, BLOCK_N, BLOCK_D, True)
+                      qk_scale, BLOCK_N, BLOCK_D, True, DOT_PRECISION)
     _store_rows(head_pointer(DQ, z, h, stride_gz, stride_gh), m_start, stride_gm, M,
                 dq * sm_scale, BLOCK_M, BLOCK_D, HEAD_DIM)
 
@@ -595,7 +597,7 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
                       comp_visible, overlap, m_start, qk_scale, acc,
                       HEADS_PER_SELECTION: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      SPLIT_HALF: tl.constexpr):
+                      SPLIT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Adds ``p @ overlap`` for one tile of compressed keys, ``p = exp(s - lse)`` (the
     forward's probabilities) summed over the heads that share the selection.
 
@@ -611,7 +613,7 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
         q_ptr = head_pointer(Q, z, first_head + g, stride_qz, stride_qh)
         q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
         lse = _load_lse_log2(lse_ptr + g * M, rows, M)
-        p += tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        p += tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
     p = tl.where(comp_visible, p, 0.0)
     if SPLIT_HALF:
         hi = p.to(tl.float16)
@@ -649,6 +651,7 @@ def _select_blocks_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
     S_STEP: tl.constexpr, NUM_C_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT_HALF: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr, PARTIAL_OUTPUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # INDICES, MASK, SCORES: [Z, HS, M, TOPN], contiguous. Program (zs, tile, split)
     # scores the split-th of tl.num_programs(2) shares of the chunks of selection blocks;
@@ -698,7 +701,7 @@ def _select_blocks_kernel(
             acc = _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr,
                                     M, k, comp_visible, overlap, m_start, qk_scale, acc,
                                     HEADS_PER_SELECTION, BLOCK_M, BLOCK_C, BLOCK_D, HEAD_DIM,
-                                    SPLIT_HALF)
+                                    SPLIT_HALF, DOT_PRECISION)
 
         selectable = block_used[None, :] & (blocks[None, :] < block_limit[:, None])
         if IS_CAUSAL:
@@ -906,7 +909,8 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
         *head_strides(out), hq, n, start, start_ptr, num_keys, geo.num_mem,
         geo.compress_block_size, geo.compress_stride, geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=block_d,
-        Q_START_IN_MEMORY=in_memory, PARTIAL_OUTPUT=splits > 1, **_launch_meta(tiles),
+        Q_START_IN_MEMORY=in_memory, PARTIAL_OUTPUT=splits > 1, DOT_PRECISION=dot_precision(q.dtype),
+        **_launch_meta(tiles),
     )
     if splits > 1:
         merge_rows = triton.next_power_of_2(n)
@@ -977,7 +981,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     geometry = (hq, n, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
                 geo.selection_block_size, geo.scale * LOG2E, geo.scale)
     meta = dict(GQA_SHARED_HEADS=hq // hk, IS_CAUSAL=geo.causal, HEAD_DIM=d, BLOCK_D=block_d,
-                **selection_meta)
+                DOT_PRECISION=dot_precision(q.dtype), **selection_meta)
 
     # dQ first: with score gradients it completes delta, which dK / dV read.
     dq = new_heads_tensor(q, is_tokens_major(q), lambda shape: _allocate(shape, q.dtype, q.device))
@@ -1064,7 +1068,8 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
         BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_n, BLOCK_S=block_s,
         S_STEP=s_step, NUM_C_TILES=num_c_tiles, BLOCK_D=_block_d(d),
         SPLIT_HALF=q.dtype != torch.float32, Q_START_IN_MEMORY=in_memory,
-        PARTIAL_OUTPUT=splits > 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PARTIAL_OUTPUT=splits > 1, DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if splits > 1:
         # Rows of their own, not the scoring tile's: a decoding step's merge is one row.
@@ -1266,7 +1271,7 @@ def compressed_attend_and_select(
     ``out`` and the selection's ``scores`` (float32) are differentiable w.r.t. q, ck and
     cv, the scores through the probabilities they sum (what NSA's differentiable top-n
     needs); ``scores_require_grad=False`` detaches the scores, which also keeps compiled
-    graphs off the scores' backward path. fp32 inputs use TF32 matmuls on the GPU.
+    graphs off the scores' backward path. fp32 inputs get float32 products, not TF32.
 
     CUDA tensors (or any tensors with ``TRITON_INTERPRET=1``) run the Triton kernels;
     other CPU tensors fall back to the PyTorch reference and ``selection.py``, which do

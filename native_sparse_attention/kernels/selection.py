@@ -92,7 +92,7 @@ import torch
 import triton
 import triton.language as tl
 
-from native_sparse_attention.kernels.library import launcher_op, position_in_memory, start_position
+from native_sparse_attention.kernels.library import dot_precision, launcher_op, position_in_memory, start_position
 
 __all__ = ["LaunchConfig", "default_launch_config", "selection_attention", "selection_attention_at"]
 
@@ -990,11 +990,6 @@ class _Problem:
         return triton.cdiv(self.seq_len, self.block_size)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # float32 inputs get exact float32 products rather than TF32's 10-bit mantissa.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _selection_operands(indices, fmask, sel_scale, fallback: torch.Tensor):
     """Contiguous selection tensors; an empty selection is replaced by a valid dummy pointer
     (the kernels never read it)."""
@@ -1029,7 +1024,7 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
             **problem.constexprs,
             **window,
             SLIDING=window_tiles > 0,
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype),
             Q_START_IN_MEMORY=in_memory,
             num_warps=num_warps,
             num_stages=num_stages,
@@ -1127,7 +1122,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             SEL_SHARED_HEADS=hq // hs, GQA_SHARED_HEADS=hq // hk,
             **problem.window_constexprs(for_dq=True),
             D=d, D_PAD=_padded_head_dim(d), CAUSAL=problem.causal,
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype),
             num_warps=config.window_dq_warps,
             num_stages=config.window_dq_stages,
         )
@@ -1138,7 +1133,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         n, hq, hs, problem.scale,
         **{**problem.constexprs, "FINE_N": problem.dq_fine_n},
         SLIDING=sliding,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.dq_warps,
         num_stages=config.dq_stages,
     )
@@ -1160,7 +1155,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             DO_ROWS=_row_layout(d_out),
             M=max(config.dkv_rows, rows_per_entry),
             CHUNK=config.dkv_chunk,
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype),
             num_warps=config.dkv_warps,
             num_stages=config.dkv_stages,
         )
@@ -1180,7 +1175,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             CAUSAL=problem.causal,
             WINDOW=problem.window,
             QUERY_TILES=problem.sliding_query_tiles,
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype),
             num_warps=config.window_warps,
             num_stages=config.window_stages,
         )
