@@ -1,4 +1,5 @@
-"""The kernel launchers as ``torch.library`` operators, and the layer under ``torch.compile``.
+"""The kernel launchers as ``torch.library`` operators, the layer under ``torch.compile``, and
+the precision of the kernels' float32 dots.
 
 ``torch.library.opcheck`` runs each operator for real and checks its schema (no output
 aliasing an input or another output, no undeclared mutation) and its fake
@@ -14,7 +15,7 @@ import torch
 
 from native_sparse_attention import SparseAttention
 from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection  # noqa: F401 (registration)
-from native_sparse_attention.kernels.library import NAMESPACE
+from native_sparse_attention.kernels.library import NAMESPACE, dot_precision
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -130,3 +131,41 @@ def test_fast_path_layer_compiles_to_one_graph(monkeypatch, use_diff_topk):
         torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5, atol=1e-6)
     assert len(score_grads) == 2
     assert all((grad is not None) == use_diff_topk for grad in score_grads)
+
+
+@pytest.fixture
+def float32_matmul_precision():
+    """Restores PyTorch's float32 matmul settings, old and new API, after the test."""
+    legacy = torch.get_float32_matmul_precision()
+    backend = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    yield
+    torch.set_float32_matmul_precision(legacy)
+    if backend is not None:
+        torch.backends.cuda.matmul.fp32_precision = backend
+
+
+def _set_matmul_precision(setting: str) -> None:
+    api, value = setting.split("=")
+    if api == "legacy":
+        torch.set_float32_matmul_precision(value)
+    elif not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("torch.backends.cuda.matmul.fp32_precision arrived in PyTorch 2.9")
+    else:
+        torch.backends.cuda.matmul.fp32_precision = value
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ((), "ieee"),
+    (("legacy=high",), "tf32"),
+    (("legacy=medium",), "tf32"),
+    (("legacy=high", "legacy=highest"), "ieee"),
+    (("backend=tf32",), "tf32"),
+    (("legacy=high", "backend=ieee"), "ieee"),
+])
+def test_float32_dots_follow_pytorch_matmul_precision(float32_matmul_precision, settings, expected):
+    """float32 tiles take TF32 exactly where PyTorch's own float32 matmuls would (and
+    FlexAttention's dots); 16-bit tiles are exact whatever the setting."""
+    for setting in settings:
+        _set_matmul_precision(setting)
+    assert dot_precision(torch.float32) == expected
+    assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32"

@@ -1271,7 +1271,8 @@ def compressed_attend_and_select(
     ``out`` and the selection's ``scores`` (float32) are differentiable w.r.t. q, ck and
     cv, the scores through the probabilities they sum (what NSA's differentiable top-n
     needs); ``scores_require_grad=False`` detaches the scores, which also keeps compiled
-    graphs off the scores' backward path. fp32 inputs get float32 products, not TF32.
+    graphs off the scores' backward path. fp32 inputs take TF32 dots only where PyTorch's
+    float32 matmuls would (``library.dot_precision``).
 
     CUDA tensors (or any tensors with ``TRITON_INTERPRET=1``) run the Triton kernels;
     other CPU tensors fall back to the PyTorch reference and ``selection.py``, which do

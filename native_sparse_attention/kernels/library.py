@@ -45,12 +45,22 @@ _LAYOUT_TAGS = (
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``input_precision`` of the kernels' dots over ``dtype`` tiles: float32 inputs get
-    float32 products, as torch.matmul gives them by default, not TF32's 10-bit mantissa.
-    With TF32 in its compressed branch, a float32 layer's output on an H100 was 0.26%
-    from float64 (now 5e-6), and with straight-through selection its compressor's
-    gradients 4.5%. 16-bit operands are exact either way."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """``input_precision`` of the kernels' dots over ``dtype`` tiles.
+
+    float32 tiles follow PyTorch's switch for float32 matmuls, read as FlexAttention reads
+    it: float32 products by default, TF32 once allowed (``torch.set_float32_matmul_precision
+    ("high")``, ``torch.backends.cuda.matmul.allow_tf32`` or ``fp32_precision = "tf32"``).
+    With TF32 in its compressed branch, a float32 layer's output on an H100 was 0.26% from
+    float64 (5e-6 without), and with straight-through selection its compressor's
+    gradients 4.5%. 16-bit operands are exact either way.
+    """
+    if dtype != torch.float32:
+        return "tf32"
+    # Absent before PyTorch 2.9; "none" defers to the older global setting.
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    if precision != "none":
+        return "tf32" if precision == "tf32" else "ieee"
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def launcher_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
