@@ -215,6 +215,29 @@ def test_divergence_stops_without_checkpointing_the_broken_weights(corpus, tmp_p
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
 
 
+def test_a_crash_checkpoints_the_last_finished_step_and_the_run_resumes(corpus, tmp_path, monkeypatch, capsys):
+    """An unexpected error (here in the fourth step) propagates after the last finished
+    step is saved, however far the last periodic checkpoint lies behind."""
+    real_train_step, calls = training.train_step, []
+
+    def crashing_train_step(*args):
+        calls.append(None)
+        if len(calls) == 4:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real_train_step(*args)
+
+    monkeypatch.setattr(training, "train_step", crashing_train_step)
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="simulated"):
+        run_train(corpus, run_dir, "--steps", "6", "--checkpoint-every", "0", "--log-every", "1")
+    assert "training failed after step 3; saved" in capsys.readouterr().out
+    assert [checkpoint_step(path) for path in list_checkpoints(run_dir)] == [3]
+
+    monkeypatch.setattr(training, "train_step", real_train_step)
+    assert run_train(corpus, run_dir, "--steps", "6", "--log-every", "1", "--resume") == 0
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7))
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
