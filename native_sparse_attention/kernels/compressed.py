@@ -613,7 +613,8 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
         q_ptr = head_pointer(Q, z, first_head + g, stride_qz, stride_qh)
         q = _load_rows(q_ptr, m_start, stride_qm, M, BLOCK_M, BLOCK_D, HEAD_DIM)
         lse = _load_lse_log2(lse_ptr + g * M, rows, M)
-        p += tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p += tl.exp2(s * qk_scale - lse[:, None])
     p = tl.where(comp_visible, p, 0.0)
     if SPLIT_HALF:
         hi = p.to(tl.float16)
@@ -909,8 +910,8 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
         *head_strides(out), hq, n, start, start_ptr, num_keys, geo.num_mem,
         geo.compress_block_size, geo.compress_stride, geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=block_d,
-        Q_START_IN_MEMORY=in_memory, PARTIAL_OUTPUT=splits > 1, DOT_PRECISION=dot_precision(q.dtype),
-        **_launch_meta(tiles),
+        Q_START_IN_MEMORY=in_memory, PARTIAL_OUTPUT=splits > 1,
+        DOT_PRECISION=dot_precision(q.dtype), **_launch_meta(tiles),
     )
     if splits > 1:
         merge_rows = triton.next_power_of_2(n)
