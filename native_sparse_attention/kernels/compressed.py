@@ -1069,8 +1069,8 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
         BLOCK_M=tiles.block_m, BLOCK_C=tiles.block_n, BLOCK_S=block_s,
         S_STEP=s_step, NUM_C_TILES=num_c_tiles, BLOCK_D=_block_d(d),
         SPLIT_HALF=q.dtype != torch.float32, Q_START_IN_MEMORY=in_memory,
-        PARTIAL_OUTPUT=splits > 1, DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        PARTIAL_OUTPUT=splits > 1, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if splits > 1:
         # Rows of their own, not the scoring tile's: a decoding step's merge is one row.

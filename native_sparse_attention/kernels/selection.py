@@ -1105,6 +1105,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     b, hq, hk, n, d = problem.batch, problem.query_heads, problem.kv_heads, problem.seq_len, problem.head_dim
     hs, config = problem.selection_heads, problem.config
     sliding = problem.window is not None and d_swa_out is not None
+    precision = dot_precision(q.dtype)
     if d_out is None:
         d_out = torch.zeros_like(out)
     dq = _empty((b, hq, n, d), q.dtype, q.device)
@@ -1122,7 +1123,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             SEL_SHARED_HEADS=hq // hs, GQA_SHARED_HEADS=hq // hk,
             **problem.window_constexprs(for_dq=True),
             D=d, D_PAD=_padded_head_dim(d), CAUSAL=problem.causal,
-            DOT_PRECISION=dot_precision(q.dtype),
+            DOT_PRECISION=precision,
             num_warps=config.window_dq_warps,
             num_stages=config.window_dq_stages,
         )
@@ -1133,7 +1134,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         n, hq, hs, problem.scale,
         **{**problem.constexprs, "FINE_N": problem.dq_fine_n},
         SLIDING=sliding,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=precision,
         num_warps=config.dq_warps,
         num_stages=config.dq_stages,
     )
@@ -1155,7 +1156,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             DO_ROWS=_row_layout(d_out),
             M=max(config.dkv_rows, rows_per_entry),
             CHUNK=config.dkv_chunk,
-            DOT_PRECISION=dot_precision(q.dtype),
+            DOT_PRECISION=precision,
             num_warps=config.dkv_warps,
             num_stages=config.dkv_stages,
         )
@@ -1175,7 +1176,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             CAUSAL=problem.causal,
             WINDOW=problem.window,
             QUERY_TILES=problem.sliding_query_tiles,
-            DOT_PRECISION=dot_precision(q.dtype),
+            DOT_PRECISION=precision,
             num_warps=config.window_warps,
             num_stages=config.window_stages,
         )
