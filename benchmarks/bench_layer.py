@@ -197,9 +197,9 @@ def _triton_resources(name: str) -> tuple[int, int] | None:
     """Most registers per thread and most spilled bytes over the compiled variants of this
     package's Triton kernel ``name``; None for any other kernel. A kernel that spills runs
     several times slower (the compressed dK / dV kernel once went from 5.8 to 26 ms)."""
-    from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection
+    from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection, sliding_window
 
-    for module in (compressed, selection, gate_combine, rotary):
+    for module in (compressed, selection, sliding_window, gate_combine, rotary):
         if name in _kernel_names(module):
             # Triton internals (3.6 to 3.9): without them the columns read "-", the run stands.
             try:
@@ -213,11 +213,14 @@ def _triton_resources(name: str) -> tuple[int, int] | None:
 
 
 def _kernel_group(name: str) -> str:
-    from native_sparse_attention.kernels import compressed, gate_combine, selection
+    from native_sparse_attention.kernels import compressed, gate_combine, selection, sliding_window
 
+    # The window's forward tiles run inside the selection's forward kernel, so its time
+    # counts as selected attention; the window's backward kernels are its own group.
     for group, module in (
         ("compressed attention + block selection (kernels/compressed.py)", compressed),
-        ("selected + sliding attention (kernels/selection.py)", selection),
+        ("selected attention, sliding-window forward (kernels/selection.py)", selection),
+        ("sliding-window backward (kernels/sliding_window.py)", sliding_window),
         ("gate combination (kernels/gate_combine.py)", gate_combine),
     ):
         if name in _kernel_names(module):

@@ -1,4 +1,6 @@
-"""Triton kernels for NSA's selection branch, with the sliding-window branch fused in.
+"""Triton kernels for NSA's selection branch. The sliding window's kernels
+(``kernels/sliding_window.py``) run from the same operator: its forward tiles in this
+module's forward launch, its backward next to this module's.
 
 Notation (in the style of PyTorch's FlexAttention templates)
 -----------------------------------------------------------
@@ -18,14 +20,12 @@ SEL: selection slots per query; NUM_SETS: key sets per query (the own block when
     then the SEL slots); SETS_PAD: NUM_SETS rounded up to a power of two
 BLOCK_SIZE: tokens per selection block; FINE_N: keys per fine block, a multiple of 16
     dividing BLOCK_SIZE; TILES_PER_BLOCK: BLOCK_SIZE // FINE_N
-WINDOW: the sliding window w; CAUSAL: include_block_causal (also makes the window causal)
+CAUSAL: include_block_causal (also makes the window causal); SLIDING: the launch also
+    runs the sliding window (its notation: ``kernels/sliding_window.py``)
 Entry: one (query i, selection head, key set) whose key set is a valid block; it owns
     SEL_SHARED_HEADS query rows. Key: one (batch z, kv head, key block), numbered
     (z * HKV + kv_head) * NUM_BLOCKS + block; NUM_KEYS of them.
     M: query rows per step of _dkv_kernel; CHUNK: most entries per _dkv_kernel program
-HEADS_PAD: SEL_SHARED_HEADS rounded up to a power of two; WINDOW_ROWS: rows of a window
-    tile, WINDOW_QUERIES (= WINDOW_ROWS // HEADS_PAD) positions of HEADS_PAD heads each;
-    WINDOW_N: keys per window key tile
 
 Work decomposition
 ------------------
@@ -38,22 +38,16 @@ positions per program, one warp each through a batched [positions, ROWS, D] dot,
 
 - ``_fwd_kernel``: online softmax over the key sets' tiles. With SLIDING the same launch
   can also run the window: its first NUM_WINDOW_TILES programs along axis 0 each take a
-  window tile (below), the others one query position each. Where the window wants other
-  warps than the selection's one-warp programs, the kernel is launched twice instead,
-  once for each kind of program: at 32 heads on 2 kv heads, d = 64, n = 65536, window
-  512, bf16 on an H100, the shared launch took 5.96 ms, the selection alone 4.22 ms and
-  the window alone 0.96 ms in 8-warp tiles of 128 rows (1.56 ms in the shared launch's
-  one-warp tiles of 32 rows).
+  window tile (``sliding_window.window_forward``), the others one query position each.
+  Where the window wants other warps than the selection's one-warp programs, the kernel
+  is launched twice instead, once for each kind of program: at 32 heads on 2 kv heads,
+  d = 64, n = 65536, window 512, bf16 on an H100, the shared launch took 5.96 ms, the
+  selection alone 4.22 ms and the window alone 0.96 ms in 8-warp tiles of 128 rows
+  (1.56 ms in the shared launch's one-warp tiles of 32 rows).
 - ``_dq_kernel``: recomputes P per tile; dQ stays in registers (the program owns all of
   its query's keys, so no atomics), dsel_scale is reduced per slot, and delta =
   rowsum(dO * O) is stored for the key side. With SLIDING it adds the window's dQ, which
-  ``_window_dq_kernel`` has left in a float32 buffer.
-
-Window tiles: neighbouring queries share almost all of their window, so the window runs
-flash-style over WINDOW_ROWS rows = WINDOW_QUERIES consecutive positions x HEADS_PAD
-heads (the selection program's heads, padded to a power of two), one key tile of
-WINDOW_N keys serving every row. A per-position program would read each window key
-WINDOW_QUERIES times as often.
+  ``window_dq_kernel`` has left in a float32 buffer.
 
 Key side: a key block is selected by arbitrary queries, so no query-side program owns
 its dK / dV. Adding them atomically from the query side costs one float32 atomic per
@@ -75,12 +69,9 @@ labels every entry with its key, a stable sort groups them), and
   rows made the pass 4.05 ms slower at the same configuration, close to the 4.5 ms
   that ``_dq_kernel`` takes, and packing the adds four to an instruction
   (``red.global.add.v4.f32``) did not change that.
-- ``_sliding_dkv_kernel``: one program per (key tile, kv head, batch z); the window is a
-  band, so the queries that see a key tile are known and dK / dV of the window are
-  accumulated in registers without atomics. It also adds the selection's float32
-  accumulators and writes dK and dV in the input dtype.
 
-Logits are computed in base 2: ``exp2(q.k * scale * sel * log2(e) - lse * log2(e))``.
+With a window, ``window_dkv_kernel`` then adds these float32 accumulators to the window's
+dK / dV and writes both in the input dtype; without one, the host casts them.
 """
 
 from __future__ import annotations
@@ -92,12 +83,25 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.attention_tiles import (
+    LOG2E,
+    backward_rows,
+    dense_rows,
+    dkv_tile,
+    dq_tile,
+    head_offset,
+    load_lse2,
+    load_tile,
+    program_heads,
+    softmax_tile,
+    store_attention,
+    strided_rows,
+)
 from native_sparse_attention.kernels.library import dot_precision, launcher_op, position_in_memory, start_position
+from native_sparse_attention.kernels.sliding_window import window_dkv_kernel, window_dq_kernel, window_forward
 
 __all__ = ["LaunchConfig", "default_launch_config", "selection_attention", "selection_attention_at"]
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 MIN_ROWS = 16  # tl.dot needs M, N and K of at least 16
 FEW_QUERIES = 16  # forwards of at most this many queries: see default_launch_config
 # Memory layouts of the [Z, HQ, N, D] rows that _dkv_kernel gathers (see _gathered_rows).
@@ -109,52 +113,6 @@ CHUNK_POSITIONS = 1024  # chunks per program of _chunk_position_kernel
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-@triton.jit
-def _program_heads(SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr):
-    """Batch, selection head, kv head and first query head of this program."""
-    sel_head = tl.program_id(1)
-    z = tl.program_id(2)
-    first_head = sel_head * SEL_SHARED_HEADS
-    return z, sel_head, first_head // GQA_SHARED_HEADS, first_head
-
-
-@triton.jit
-def _window_rows(tile, first_head, M, SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                 WINDOW_ROWS: tl.constexpr):
-    """Query rows, query heads and existence of the rows of window tile ``tile``: tile row
-    r is head ``r % HEADS_PAD`` of the group at query row ``tile * WINDOW_QUERIES + r // HEADS_PAD``."""
-    WINDOW_QUERIES: tl.constexpr = WINDOW_ROWS // HEADS_PAD
-    rows = tl.arange(0, WINDOW_ROWS)
-    i = tile * WINDOW_QUERIES + rows // HEADS_PAD
-    head_in_group = rows % HEADS_PAD
-    return i, first_head + head_in_group, (i < M) & (head_in_group < SEL_SHARED_HEADS)
-
-
-@triton.jit
-def _head_offset(z, h, stride_z, stride_h):
-    """int64 offset of head ``[z, h]`` of a strided tensor."""
-    return z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h
-
-
-@triton.jit
-def _strided_rows(z, h, i, stride_z, stride_h, stride_n):
-    """int64 offsets of rows ``[z, h, i]`` (h or i may be a vector) of a strided tensor."""
-    return _head_offset(z, h, stride_z, stride_h) + i.to(tl.int64) * stride_n
-
-
-@triton.jit
-def _dense_rows(z, h, i, H, N, D):
-    """int64 offsets of rows ``[z, h, i]`` of a contiguous [Z, H, N, D] tensor."""
-    return ((z.to(tl.int64) * H + h) * N + i) * D
-
-
-@triton.jit
-def _load_tile(base, row_offsets, row_ok, offs_d, d_ok, stride_d):
-    """Rows ``base[row_offsets + d]`` as a [len(row_offsets), D_PAD] tile, zeros where masked."""
-    ptrs = base + row_offsets[:, None] + offs_d[None, :] * stride_d
-    return tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -201,72 +159,6 @@ def _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE: tl.cons
     return pos, (pos >= 0) & (pos < key_end), _pick(multipliers, sets, s)
 
 
-@triton.jit
-def _window_keys(tile, M, Q_START, N, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_QUERIES: tl.constexpr,
-                 WINDOW_N: tl.constexpr):
-    """The WINDOW_N-aligned start and the end of the keys any row of window tile ``tile`` sees."""
-    first_query = Q_START + tile * WINDOW_QUERIES
-    last_query = Q_START + tl.minimum(tile * WINDOW_QUERIES + WINDOW_QUERIES, M) - 1
-    if CAUSAL:
-        hi = last_query + 1
-    else:
-        hi = tl.minimum(last_query + WINDOW + 1, N)
-    return (tl.maximum(first_query - WINDOW, 0) // WINDOW_N) * WINDOW_N, hi
-
-
-@triton.jit
-def _in_window(i, pos, WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
-    """[len(i), len(pos)]: key ``pos`` lies in query ``i``'s window."""
-    distance = i[:, None] - pos[None, :]
-    if CAUSAL:
-        return (distance >= 0) & (distance <= WINDOW)
-    return (distance >= -WINDOW) & (distance <= WINDOW)
-
-
-@triton.jit
-def _softmax_tile(
-    q, k_cols, v_cols, pos, visible, kv_mask, stride_kn, stride_vn, logit_scale, m_i, l_i, acc,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax step of a [ROWS, D_PAD] query tile over the keys at ``pos``.
-
-    ``k_cols``, ``v_cols``: [1, D_PAD] pointers to the head's first key / value row;
-    ``visible``: [ROWS or 1, len(pos)]; ``kv_mask``: [len(pos), D_PAD]; ``logit_scale``
-    turns q.k into base-2 logits.
-    """
-    rows = pos.to(tl.int64)[:, None]
-    k = tl.load(k_cols + rows * stride_kn, mask=kv_mask, other=0.0)
-    v = tl.load(v_cols + rows * stride_vn, mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * logit_scale
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen no key yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _store_attention(O, LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok):
-    """Normalise and store the outputs and natural-log LSE; a row without keys gets 0 and -inf."""
-    has_key = l_i > 0.0
-    l_safe = tl.where(has_key, l_i, 1.0)
-    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    out = acc / l_safe[:, None]
-    tl.store(O + out_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + lse_rows, lse, mask=row_ok)
-
-
-@triton.jit
-def _load_lse2(LSE, offsets, ok):
-    """LSE in base 2, +inf where there is no key (or no row), so that every P there is 0."""
-    lse2 = tl.load(LSE + offsets, mask=ok, other=float("-inf")) * LOG2E
-    return tl.where(lse2 == float("-inf"), float("inf"), lse2)
-
-
 # ----------------------------------------------------------------------------- forward
 
 
@@ -291,9 +183,9 @@ def _selection_forward(
     offs_n = tl.arange(0, FINE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q = _load_tile(Q, _strided_rows(z, heads, r, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
-    k_cols = K + _head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
-    v_cols = V + _head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
+    q = load_tile(Q, strided_rows(z, heads, r, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
+    k_cols = K + head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
+    v_cols = V + head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
     sel_row = ((z.to(tl.int64) * HS + sel_head) * M + r) * SEL
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -305,49 +197,13 @@ def _selection_forward(
     key_end = i + 1 if CAUSAL else N
     for t in range(0, NUM_SETS * TILES_PER_BLOCK):
         pos, key_ok, multiplier = _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE, FINE_N)
-        m_i, l_i, acc = _softmax_tile(
+        m_i, l_i, acc = softmax_tile(
             q, k_cols, v_cols, pos, key_ok[None, :], key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
             scale2 * multiplier, m_i, l_i, acc, DOT_PRECISION,
         )
-    out_rows = _dense_rows(z, heads, r, HQ, M, D)
+    out_rows = dense_rows(z, heads, r, HQ, M, D)
     lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
-    _store_attention(O, LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
-
-
-@triton.jit
-def _window_forward(
-    Q, K, V, SWA_O, SWA_LSE, tile, z, kv_head, first_head,
-    stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
-    M, Q_START, N, HQ, scale2,
-    SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``."""
-    r, heads, row_ok = _window_rows(tile, first_head, M, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
-    i = Q_START + r
-    offs_n = tl.arange(0, WINDOW_N)
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
-    q = _load_tile(Q, _strided_rows(z, heads, r, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
-    k_cols = K + _head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
-    v_cols = V + _head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
-
-    m_i = tl.full([WINDOW_ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([WINDOW_ROWS], tl.float32)
-    acc = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
-    first, hi = _window_keys(tile, M, Q_START, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
-    for start in range(first, hi, WINDOW_N):
-        pos = start + offs_n
-        key_ok = pos < hi
-        m_i, l_i, acc = _softmax_tile(
-            q, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
-            key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, scale2, m_i, l_i, acc, DOT_PRECISION,
-        )
-    out_rows = _dense_rows(z, heads, r, HQ, M, D)
-    lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
-    _store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
+    store_attention(O, LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
 
 
 # Decoding steps change M, Q_START and N with every token. Triton would compile a variant
@@ -370,13 +226,13 @@ def _fwd_kernel(
     others query row ``program_id(0) - NUM_WINDOW_TILES`` of the selection."""
     Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     pid = tl.program_id(0)
-    z, sel_head, kv_head, first_head = _program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
+    z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     scale2 = sm_scale * LOG2E
     strides = (stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kn, stride_kd,
                stride_vz, stride_vh, stride_vn, stride_vd)
     if pid < NUM_WINDOW_TILES:
         if SLIDING:
-            _window_forward(
+            window_forward(
                 Q, K, V, SWA_O, SWA_LSE, pid, z, kv_head, first_head, *strides, M, Q_START, N, HQ, scale2,
                 SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS, WINDOW_N, D, D_PAD, CAUSAL, WINDOW, DOT_PRECISION,
             )
@@ -389,64 +245,6 @@ def _fwd_kernel(
 
 
 # ----------------------------------------------------------------------------- backward
-
-
-@triton.jit
-def _dq_tile(
-    q, do, lse2, delta, k_cols, v_cols, pos, visible, kv_mask, stride_kn, stride_vn, logit_scale, ds_scale, dq,
-    DOT_PRECISION: tl.constexpr,
-):
-    """dQ of a [ROWS, D_PAD] query tile through the keys at ``pos``.
-
-    ``k_cols``, ``v_cols``: [1, D_PAD] pointers to the head's first key / value row;
-    ``visible``: [ROWS or 1, len(pos)]; ``logit_scale`` turns q.k into base-2 logits, ``ds_scale`` is d(logit)/d(q.k). Returns
-    the updated dQ accumulator and sum(dL/dlogit * q.k), the tile's dL/d(multiplier) up to
-    the factor sm_scale.
-    """
-    rows = pos.to(tl.int64)[:, None]
-    k = tl.load(k_cols + rows * stride_kn, mask=kv_mask, other=0.0)
-    v = tl.load(v_cols + rows * stride_vn, mask=kv_mask, other=0.0)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    p = tl.where(visible, tl.exp2(qk * logit_scale - lse2[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    dlogit = p * (dp - delta[:, None])
-    dq += tl.dot((dlogit * ds_scale).to(k.dtype), k, input_precision=DOT_PRECISION)
-    return dq, tl.sum(tl.sum(dlogit * qk, 1), 0)
-
-
-@triton.jit
-def _store_delta(DELTA, O, do, out_rows, lse_rows, row_ok, offs_d, d_ok):
-    """delta = rowsum(dO * O) of the rows (the softmax backward's correction), stored for
-    the key-side kernels and returned."""
-    o = _load_tile(O, out_rows, row_ok, offs_d, d_ok, 1)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + lse_rows, delta, mask=row_ok)
-    return delta
-
-
-@triton.jit
-def _backward_rows(
-    Q, O, DO, LSE, DELTA, K, V, z, heads, i, row_ok, kv_head,
-    stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
-    stride_doz, stride_doh, stride_don, stride_dod,
-    N, HQ, D: tl.constexpr, D_PAD: tl.constexpr,
-):
-    """Query-side state of a backward program's rows ``[z, heads, i]``: q, dO, delta (also
-    stored), base-2 LSE, [1, D_PAD] pointers to the kv head's first key / value row, and
-    the rows' offsets in the dense [Z, HQ, N, D] outputs."""
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
-    out_rows = _dense_rows(z, heads, i, HQ, N, D)
-    lse_rows = (z.to(tl.int64) * HQ + heads) * N + i
-    q = _load_tile(Q, _strided_rows(z, heads, i, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
-    do = _load_tile(DO, _strided_rows(z, heads, i, stride_doz, stride_doh, stride_don), row_ok, offs_d, d_ok,
-                    stride_dod)
-    delta = _store_delta(DELTA, O, do, out_rows, lse_rows, row_ok, offs_d, d_ok)
-    lse2 = _load_lse2(LSE, lse_rows, row_ok)
-    k_cols = K + _head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
-    v_cols = V + _head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
-    return q, do, delta, lse2, k_cols, v_cols, out_rows
 
 
 @triton.jit
@@ -467,14 +265,14 @@ def _dq_kernel(
     with SLIDING, dQ also gets the window's part from the float32 buffer DQ_WINDOW."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
     i = tl.program_id(0)
-    z, sel_head, kv_head, first_head = _program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
+    z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     rows = tl.arange(0, ROWS)
     heads = first_head + rows
     row_ok = rows < SEL_SHARED_HEADS
     offs_n = tl.arange(0, FINE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q, do, delta, lse2, k_cols, v_cols, out_rows = _backward_rows(
+    q, do, delta, lse2, k_cols, v_cols, out_rows = backward_rows(
         Q, O, DO, LSE, DELTA, K, V, z, heads, i, row_ok, kv_head,
         stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
         stride_doz, stride_doh, stride_don, stride_dod, N, HQ, D, D_PAD,
@@ -490,7 +288,7 @@ def _dq_kernel(
     key_end = i + 1 if CAUSAL else N
     for t in range(0, NUM_SETS * TILES_PER_BLOCK):
         pos, key_ok, multiplier = _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE, FINE_N)
-        dq, dmult = _dq_tile(
+        dq, dmult = dq_tile(
             q, do, lse2, delta, k_cols, v_cols, pos, key_ok[None, :], key_ok[:, None] & d_ok[None, :], stride_kn,
             stride_vn, scale2 * multiplier, sm_scale * multiplier, dq, DOT_PRECISION,
         )
@@ -499,65 +297,8 @@ def _dq_kernel(
         slot = sets - (NUM_SETS - SEL)
         tl.store(DSEL + sel_row + slot, dsel * sm_scale, mask=(slot >= 0) & (slot < SEL))
     if SLIDING:
-        dq += _load_tile(DQ_WINDOW, out_rows, row_ok, offs_d, d_ok, 1)
+        dq += load_tile(DQ_WINDOW, out_rows, row_ok, offs_d, d_ok, 1)
     tl.store(DQ + out_rows[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _window_dq_kernel(
-    Q, K, V, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, DQ_WINDOW,
-    stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
-    stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
-    N, HQ, sm_scale,
-    SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-    WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The window's dQ (float32, into DQ_WINDOW) and delta of window tile ``program_id(0)``."""
-    z, sel_head, kv_head, first_head = _program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
-    tile = tl.program_id(0)
-    i, heads, row_ok = _window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
-    offs_n = tl.arange(0, WINDOW_N)
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
-    q, do, delta, lse2, k_cols, v_cols, out_rows = _backward_rows(
-        Q, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, K, V, z, heads, i, row_ok, kv_head,
-        stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
-        stride_sdoz, stride_sdoh, stride_sdon, stride_sdod, N, HQ, D, D_PAD,
-    )
-
-    dq = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
-    first, hi = _window_keys(tile, N, 0, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
-    for start in range(first, hi, WINDOW_N):
-        pos = start + offs_n
-        key_ok = pos < hi
-        dq, _ = _dq_tile(
-            q, do, lse2, delta, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
-            key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, sm_scale * LOG2E, sm_scale, dq, DOT_PRECISION,
-        )
-    tl.store(DQ_WINDOW + out_rows[:, None] + offs_d[None, :], dq, mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _dkv_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv, DOT_PRECISION: tl.constexpr):
-    """dK, dV of a [BLOCK_N, D_PAD] key tile through a [M, D_PAD] tile of query rows.
-
-    ``visible``: [BLOCK_N, M]; ``lse2``, ``delta``, ``logit_scale``, ``ds_scale``: [M],
-    per query row (the last two may be scalars). Works on the transposed scores
-    [BLOCK_N, M], so that dK and dV come out of the dots as [BLOCK_N, D_PAD].
-    """
-    # Both score dots are issued before the exponentials, so that the tensor cores run
-    # dP while the exponentials of P are computed: the pass is bound by issue latency,
-    # not by the tensor cores (config A at 32k on an H100: 7.52 -> 7.16 ms).
-    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    p_t = tl.where(visible, tl.exp2(qk_t * logit_scale - lse2[None, :]), 0.0)
-    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :]) * ds_scale
-    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
-    return dk, dv
 
 
 @triton.jit
@@ -597,7 +338,7 @@ def _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_z, stride_h, stride_n,
     elif LAYOUT == ROWS_TOKENS_MAJOR:
         return ((z.to(tl.int64) * N + i) * HQ + head) * D
     else:
-        return _strided_rows(z, head, i, stride_z, stride_h, stride_n)
+        return strided_rows(z, head, i, stride_z, stride_h, stride_n)
 
 
 @triton.jit
@@ -682,10 +423,10 @@ def _dkv_kernel(
         key_ok = pos < N
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < D
-        k = _load_tile(K, _strided_rows(z, kv_head, pos, stride_kz, stride_kh, stride_kn), key_ok, offs_d, d_ok,
-                       stride_kd)
-        v = _load_tile(V, _strided_rows(z, kv_head, pos, stride_vz, stride_vh, stride_vn), key_ok, offs_d, d_ok,
-                       stride_vd)
+        k = load_tile(K, strided_rows(z, kv_head, pos, stride_kz, stride_kh, stride_kn), key_ok, offs_d, d_ok,
+                      stride_kd)
+        v = load_tile(V, strided_rows(z, kv_head, pos, stride_vz, stride_vh, stride_vn), key_ok, offs_d, d_ok,
+                      stride_vd)
         first_entry = tl.load(KEY_FIRST_ENTRY + key)
         start = first_entry + (chunk - tl.load(KEY_FIRST_CHUNK + key)) * CHUNK
         end = tl.minimum(start + CHUNK, tl.load(KEY_FIRST_ENTRY + key + 1))
@@ -699,9 +440,9 @@ def _dkv_kernel(
             lse_rows = (z.to(tl.int64) * HQ + head) * N + i
             q_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_qz, stride_qh, stride_qn, Q_ROWS)
             do_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_doz, stride_doh, stride_don, DO_ROWS)
-            q = _load_tile(Q, q_rows, row_ok, offs_d, d_ok, stride_qd)
-            do = _load_tile(DO, do_rows, row_ok, offs_d, d_ok, stride_dod)
-            lse2 = _load_lse2(LSE, lse_rows, row_ok)
+            q = load_tile(Q, q_rows, row_ok, offs_d, d_ok, stride_qd)
+            do = load_tile(DO, do_rows, row_ok, offs_d, d_ok, stride_dod)
+            lse2 = load_lse2(LSE, lse_rows, row_ok)
             delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
             if HAS_SEL_SCALE:
                 multiplier = tl.load(SEL_SCALE + slot_offset, mask=row_ok & (slot_offset >= 0), other=1.0)
@@ -711,74 +452,12 @@ def _dkv_kernel(
             visible = key_ok[:, None] & row_ok[None, :]
             if CAUSAL:
                 visible = visible & (pos[:, None] <= i[None, :])
-            dk, dv = _dkv_tile(k, v, q, do, lse2, delta, visible, scale2 * multiplier, sm_scale * multiplier, dk, dv,
-                               DOT_PRECISION)
-        acc = _dense_rows(z, kv_head, pos, HKV, N, D)[:, None] + offs_d[None, :]
+            dk, dv = dkv_tile(k, v, q, do, lse2, delta, visible, scale2 * multiplier, sm_scale * multiplier, dk, dv,
+                              DOT_PRECISION)
+        acc = dense_rows(z, kv_head, pos, HKV, N, D)[:, None] + offs_d[None, :]
         mask = key_ok[:, None] & d_ok[None, :]
         tl.atomic_add(DK_ACC + acc, dk, mask=mask, sem="relaxed")
         tl.atomic_add(DV_ACC + acc, dv, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def _sliding_dkv_kernel(
-    Q, K, V, SWA_DO, SWA_LSE, SWA_DELTA, DK_ACC, DV_ACC, DK, DV,
-    stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
-    stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
-    N, HQ, HKV, sm_scale,
-    GQA_SHARED_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr, QUERY_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """dK, dV of the sliding window for BLOCK_N keys of one kv head, plus the selection's
-    float32 accumulators, written in the input dtype."""
-    key_start = tl.program_id(0) * BLOCK_N
-    kv_head = tl.program_id(1)
-    z = tl.program_id(2)
-    pos = key_start + tl.arange(0, BLOCK_N)
-    key_ok = pos < N
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < D
-    k = _load_tile(K, _strided_rows(z, kv_head, pos, stride_kz, stride_kh, stride_kn), key_ok, offs_d, d_ok, stride_kd)
-    v = _load_tile(V, _strided_rows(z, kv_head, pos, stride_vz, stride_vh, stride_vn), key_ok, offs_d, d_ok, stride_vd)
-    scale2 = sm_scale * LOG2E
-
-    # Queries that see at least one of these keys: i - j in [0, WINDOW] (causal) or |i - j| <= WINDOW.
-    if CAUSAL:
-        q_lo = key_start
-    else:
-        q_lo = tl.maximum(key_start - WINDOW, 0)
-    q_hi = tl.minimum(key_start + BLOCK_N + WINDOW, N)
-    first = (q_lo // BLOCK_M) * BLOCK_M
-    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    for g in range(0, GQA_SHARED_HEADS):
-        head = kv_head * GQA_SHARED_HEADS + g
-        for t in range(0, QUERY_TILES):
-            q_pos = first + t * BLOCK_M + offs_m
-            q_ok = q_pos < q_hi
-            q = _load_tile(Q, _strided_rows(z, head, q_pos, stride_qz, stride_qh, stride_qn), q_ok, offs_d, d_ok, stride_qd)
-            do = _load_tile(
-                SWA_DO, _strided_rows(z, head, q_pos, stride_sdoz, stride_sdoh, stride_sdon), q_ok, offs_d, d_ok, stride_sdod
-            )
-            lse_rows = (z.to(tl.int64) * HQ + head) * N + q_pos
-            lse2 = _load_lse2(SWA_LSE, lse_rows, q_ok)
-            delta = tl.load(SWA_DELTA + lse_rows, mask=q_ok, other=0.0)
-            distance = q_pos[None, :] - pos[:, None]
-            if CAUSAL:
-                in_window = (distance >= 0) & (distance <= WINDOW)
-            else:
-                in_window = (distance >= -WINDOW) & (distance <= WINDOW)
-            dk, dv = _dkv_tile(k, v, q, do, lse2, delta, in_window & key_ok[:, None] & q_ok[None, :], scale2, 1.0,
-                               dk, dv, DOT_PRECISION)
-    acc_rows = _dense_rows(z, kv_head, pos, HKV, N, D)
-    dk = dk * sm_scale + _load_tile(DK_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
-    dv = dv + _load_tile(DV_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
-    mask = key_ok[:, None] & d_ok[None, :]
-    tl.store(DK + acc_rows[:, None] + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + acc_rows[:, None] + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -795,11 +474,11 @@ class LaunchConfig:
     ``_dkv_kernel``, ``dkv_rows`` query rows per step. The forward's window tiles have
     ``window_rows`` rows (raised to the padded group when smaller) and walk keys
     ``window_n`` at a time with the launch's warps;
-    ``window_dq_rows`` and ``window_dq_n`` are the same for ``_window_dq_kernel``.
+    ``window_dq_rows`` and ``window_dq_n`` are the same for ``window_dq_kernel``.
     ``window_fwd_warps`` None runs the window tiles in the selection's forward launch,
     with its warps and stages; a number gives them a launch of their own with that many
     warps and ``window_fwd_stages`` stages.
-    ``_sliding_dkv_kernel`` takes ``window_block_n`` keys and ``window_block_m`` query
+    ``window_dkv_kernel`` takes ``window_block_n`` keys and ``window_block_m`` query
     rows per step.
     """
 
@@ -959,7 +638,7 @@ class _Problem:
         return triton.next_power_of_2(self.query_heads // self.selection_heads)
 
     def window_tile(self, for_dq: bool) -> tuple[int, int]:
-        """Rows and key tile of the forward's (or _window_dq_kernel's) window tiles."""
+        """Rows and key tile of the forward's (or window_dq_kernel's) window tiles."""
         config = self.config
         rows, keys = (config.window_dq_rows, config.window_dq_n) if for_dq else (config.window_rows, config.window_n)
         return max(rows, MIN_ROWS, self.heads_pad), keys
@@ -973,7 +652,7 @@ class _Problem:
 
     @property
     def sliding_query_tiles(self) -> int:
-        """Query tiles of _sliding_dkv_kernel that cover every query seeing a key tile."""
+        """Query tiles of window_dkv_kernel that cover every query seeing a key tile."""
         block_n, block_m = self.config.window_block_n, self.config.window_block_m
         span = block_n + self.window if self.causal else block_n + 2 * self.window
         # Causal spans start at the key tile, which is block_m-aligned when block_m divides block_n.
@@ -1116,7 +795,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     dq_window = lse
     if sliding:
         dq_window = _empty((b, hq, n, d), torch.float32, q.device)
-        _window_dq_kernel[(problem.num_window_tiles(for_dq=True), hs, b)](
+        window_dq_kernel[(problem.num_window_tiles(for_dq=True), hs, b)](
             q, k, v, swa_out, d_swa_out, swa_lse, swa_delta, dq_window,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),
             n, hq, problem.scale,
@@ -1164,7 +843,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         dk = _empty((b, hk, n, d), k.dtype, k.device)
         dv = _empty((b, hk, n, d), v.dtype, v.device)
         grid = (triton.cdiv(n, config.window_block_n), hk, b)
-        _sliding_dkv_kernel[grid](
+        window_dkv_kernel[grid](
             q, k, v, d_swa_out, swa_lse, swa_delta, dk_acc, dv_acc, dk, dv,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),
             n, hq, hk, problem.scale,

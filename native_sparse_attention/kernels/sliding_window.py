@@ -1,0 +1,217 @@
+"""Triton kernels for NSA's sliding-window branch, run by the selection operator
+(``kernels/selection.py``): the window's output comes from the selection's forward launch.
+
+Notation (that of ``kernels/selection.py``, plus)
+------------------------------------------------
+WINDOW: the window w; query i sees keys j with 0 <= i - j <= w when CAUSAL, |i - j| <= w
+    otherwise
+HEADS_PAD: SEL_SHARED_HEADS rounded up to a power of two
+WINDOW_ROWS: rows of a window tile, WINDOW_QUERIES (= WINDOW_ROWS // HEADS_PAD) positions of
+    HEADS_PAD heads each; WINDOW_N: keys per window key tile
+
+Work decomposition
+------------------
+Neighbouring queries share almost all of their window, so the window runs flash-style
+over WINDOW_ROWS rows = WINDOW_QUERIES consecutive positions x HEADS_PAD heads (the
+selection program's heads, padded to a power of two), one key tile of WINDOW_N keys
+serving every row. A per-position program would read each window key WINDOW_QUERIES
+times as often.
+
+- ``window_forward``: one window tile's online softmax; the selection's ``_fwd_kernel``
+  calls it from its first programs.
+- ``window_dq_kernel``: the window's dQ of one window tile into a float32 buffer, which the
+  selection's dQ pass adds to its own, and the window's delta = rowsum(dO * O).
+- ``window_dkv_kernel``: one program per (key tile, kv head, batch z); the window is a
+  band, so the queries that see a key tile are known and dK / dV of the window are
+  accumulated in registers without atomics. It also adds the selection's float32
+  accumulators and writes dK and dV in the input dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from native_sparse_attention.kernels.attention_tiles import (
+    LOG2E,
+    backward_rows,
+    dense_rows,
+    dkv_tile,
+    dq_tile,
+    head_offset,
+    load_lse2,
+    load_tile,
+    program_heads,
+    softmax_tile,
+    store_attention,
+    strided_rows,
+)
+
+
+@triton.jit
+def window_rows(tile, first_head, M, SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                WINDOW_ROWS: tl.constexpr):
+    """Query rows, query heads and existence of the rows of window tile ``tile``: tile row
+    r is head ``r % HEADS_PAD`` of the group at query row ``tile * WINDOW_QUERIES + r // HEADS_PAD``."""
+    WINDOW_QUERIES: tl.constexpr = WINDOW_ROWS // HEADS_PAD
+    rows = tl.arange(0, WINDOW_ROWS)
+    i = tile * WINDOW_QUERIES + rows // HEADS_PAD
+    head_in_group = rows % HEADS_PAD
+    return i, first_head + head_in_group, (i < M) & (head_in_group < SEL_SHARED_HEADS)
+
+
+@triton.jit
+def window_keys(tile, M, Q_START, N, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_QUERIES: tl.constexpr,
+                WINDOW_N: tl.constexpr):
+    """The WINDOW_N-aligned start and the end of the keys any row of window tile ``tile`` sees."""
+    first_query = Q_START + tile * WINDOW_QUERIES
+    last_query = Q_START + tl.minimum(tile * WINDOW_QUERIES + WINDOW_QUERIES, M) - 1
+    if CAUSAL:
+        hi = last_query + 1
+    else:
+        hi = tl.minimum(last_query + WINDOW + 1, N)
+    return (tl.maximum(first_query - WINDOW, 0) // WINDOW_N) * WINDOW_N, hi
+
+
+@triton.jit
+def in_window(i, pos, WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """[len(i), len(pos)]: key ``pos`` lies in query ``i``'s window."""
+    distance = i[:, None] - pos[None, :]
+    if CAUSAL:
+        return (distance >= 0) & (distance <= WINDOW)
+    return (distance >= -WINDOW) & (distance <= WINDOW)
+
+
+@triton.jit
+def window_forward(
+    Q, K, V, SWA_O, SWA_LSE, tile, z, kv_head, first_head,
+    stride_qz, stride_qh, stride_qn, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    M, Q_START, N, HQ, scale2,
+    SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``."""
+    r, heads, row_ok = window_rows(tile, first_head, M, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
+    i = Q_START + r
+    offs_n = tl.arange(0, WINDOW_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    q = load_tile(Q, strided_rows(z, heads, r, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
+    k_cols = K + head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
+    v_cols = V + head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
+
+    m_i = tl.full([WINDOW_ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([WINDOW_ROWS], tl.float32)
+    acc = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
+    first, hi = window_keys(tile, M, Q_START, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
+    for start in range(first, hi, WINDOW_N):
+        pos = start + offs_n
+        key_ok = pos < hi
+        m_i, l_i, acc = softmax_tile(
+            q, k_cols, v_cols, pos, in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
+            key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, scale2, m_i, l_i, acc, DOT_PRECISION,
+        )
+    out_rows = dense_rows(z, heads, r, HQ, M, D)
+    lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
+    store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
+
+
+@triton.jit
+def window_dq_kernel(
+    Q, K, V, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, DQ_WINDOW,
+    stride_qz, stride_qh, stride_qn, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
+    N, HQ, sm_scale,
+    SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The window's dQ (float32, into DQ_WINDOW) and delta of window tile ``program_id(0)``."""
+    z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
+    tile = tl.program_id(0)
+    i, heads, row_ok = window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
+    offs_n = tl.arange(0, WINDOW_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    q, do, delta, lse2, k_cols, v_cols, out_rows = backward_rows(
+        Q, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, K, V, z, heads, i, row_ok, kv_head,
+        stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
+        stride_sdoz, stride_sdoh, stride_sdon, stride_sdod, N, HQ, D, D_PAD,
+    )
+
+    dq = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
+    first, hi = window_keys(tile, N, 0, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
+    for start in range(first, hi, WINDOW_N):
+        pos = start + offs_n
+        key_ok = pos < hi
+        dq, _ = dq_tile(
+            q, do, lse2, delta, k_cols, v_cols, pos, in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
+            key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, sm_scale * LOG2E, sm_scale, dq, DOT_PRECISION,
+        )
+    tl.store(DQ_WINDOW + out_rows[:, None] + offs_d[None, :], dq, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def window_dkv_kernel(
+    Q, K, V, SWA_DO, SWA_LSE, SWA_DELTA, DK_ACC, DV_ACC, DK, DV,
+    stride_qz, stride_qh, stride_qn, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
+    N, HQ, HKV, sm_scale,
+    GQA_SHARED_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr, QUERY_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV of the sliding window for BLOCK_N keys of one kv head, plus the selection's
+    float32 accumulators, written in the input dtype."""
+    key_start = tl.program_id(0) * BLOCK_N
+    kv_head = tl.program_id(1)
+    z = tl.program_id(2)
+    pos = key_start + tl.arange(0, BLOCK_N)
+    key_ok = pos < N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    k = load_tile(K, strided_rows(z, kv_head, pos, stride_kz, stride_kh, stride_kn), key_ok, offs_d, d_ok, stride_kd)
+    v = load_tile(V, strided_rows(z, kv_head, pos, stride_vz, stride_vh, stride_vn), key_ok, offs_d, d_ok, stride_vd)
+    scale2 = sm_scale * LOG2E
+
+    # Queries that see at least one of these keys: i - j in [0, WINDOW] (causal) or |i - j| <= WINDOW.
+    if CAUSAL:
+        q_lo = key_start
+    else:
+        q_lo = tl.maximum(key_start - WINDOW, 0)
+    q_hi = tl.minimum(key_start + BLOCK_N + WINDOW, N)
+    first = (q_lo // BLOCK_M) * BLOCK_M
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    for g in range(0, GQA_SHARED_HEADS):
+        head = kv_head * GQA_SHARED_HEADS + g
+        for t in range(0, QUERY_TILES):
+            q_pos = first + t * BLOCK_M + offs_m
+            q_ok = q_pos < q_hi
+            q_rows = strided_rows(z, head, q_pos, stride_qz, stride_qh, stride_qn)
+            do_rows = strided_rows(z, head, q_pos, stride_sdoz, stride_sdoh, stride_sdon)
+            q = load_tile(Q, q_rows, q_ok, offs_d, d_ok, stride_qd)
+            do = load_tile(SWA_DO, do_rows, q_ok, offs_d, d_ok, stride_sdod)
+            lse_rows = (z.to(tl.int64) * HQ + head) * N + q_pos
+            lse2 = load_lse2(SWA_LSE, lse_rows, q_ok)
+            delta = tl.load(SWA_DELTA + lse_rows, mask=q_ok, other=0.0)
+            distance = q_pos[None, :] - pos[:, None]
+            if CAUSAL:
+                in_window = (distance >= 0) & (distance <= WINDOW)
+            else:
+                in_window = (distance >= -WINDOW) & (distance <= WINDOW)
+            dk, dv = dkv_tile(k, v, q, do, lse2, delta, in_window & key_ok[:, None] & q_ok[None, :], scale2, 1.0,
+                              dk, dv, DOT_PRECISION)
+    acc_rows = dense_rows(z, kv_head, pos, HKV, N, D)
+    dk = dk * sm_scale + load_tile(DK_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
+    dv = dv + load_tile(DV_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
+    mask = key_ok[:, None] & d_ok[None, :]
+    tl.store(DK + acc_rows[:, None] + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + acc_rows[:, None] + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
