@@ -224,6 +224,10 @@ CASES = {
                                   launch=(("window_block_n", 16), ("window_block_m", 16))),
     "window_band_dkv_tiles_non_causal": Case(hq=2, hk=1, n=83, d=16, num_slots=2, causal=False, window=29,
                                              launch=(("window_block_n", 16), ("window_block_m", 32))),
+    # Steps of 4 positions x 4 rows (group 3 padded), so that a step's padded head rows
+    # are masked and the band spans a key tile's 15 steps.
+    "window_band_dkv_group3_non_causal": Case(hq=6, hk=2, n=75, d=16, num_slots=2, causal=False, window=21,
+                                              launch=(("window_block_n", 16), ("window_block_m", 16))),
     # The 2-byte default up to d = 64: the window tiles in a launch of their own.
     "window_own_launch_fp16_group4": Case(hq=8, hk=2, n=43, d=32, num_slots=2, window=13, dtype=torch.float16),
     "window_tiles_non_causal_group3": Case(hq=3, hk=1, n=30, d=16, num_slots=2, causal=False, window=7,

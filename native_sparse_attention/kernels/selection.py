@@ -479,7 +479,7 @@ class LaunchConfig:
     with its warps and stages; a number gives them a launch of their own with that many
     warps and ``window_fwd_stages`` stages.
     ``window_dkv_kernel`` takes ``window_block_n`` keys and ``window_block_m`` query
-    rows per step.
+    rows per step (at least the kv head's query heads, padded to a power of two).
     """
 
     fine_n: int = 64
@@ -528,7 +528,10 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     (16-key steps, three stages), the window's dK / dV 2.17 -> 2.09 ms (three stages),
     then 1.97 ms in 32-row steps of four stages (at d = 128, n = 32768: 1.80 -> 1.42 ms;
     32-row steps pay only in four stages, and 128-key tiles or a mask skipped in the
-    band's inner tiles did not). The selection's dK / dV pass prefers short steps: 16
+    band's inner tiles did not), 1.79 ms once a step's rows span the group's heads
+    (64-row steps ran as fast, eight warps 2x slower). The window's dQ keeps 64-row
+    tiles of 64 keys in four warps and two stages (1.07 ms; 128 rows in eight warps
+    1.17 ms, three stages 1.10 ms). The selection's dK / dV pass prefers short steps: 16
     rows, except that groups of more than 8 heads (one entry per 16 rows) take two
     entries per step (5.47 -> 4.97 ms at 32 heads, n = 65536). At
     d = 128 the dK / dV pass takes a third stage (config A at 32k: 6.70 -> 6.52 ms), the
@@ -651,13 +654,19 @@ class _Problem:
         return dict(WINDOW=self.window, HEADS_PAD=self.heads_pad, WINDOW_ROWS=rows, WINDOW_N=keys)
 
     @property
-    def sliding_query_tiles(self) -> int:
-        """Query tiles of window_dkv_kernel that cover every query seeing a key tile."""
-        block_n, block_m = self.config.window_block_n, self.config.window_block_m
-        span = block_n + self.window if self.causal else block_n + 2 * self.window
-        # Causal spans start at the key tile, which is block_m-aligned when block_m divides block_n.
-        slack = 0 if self.causal and block_n % block_m == 0 else block_m - 1
-        return triton.cdiv(span + slack, block_m)
+    def gqa_pad(self) -> int:
+        return triton.next_power_of_2(self.query_heads // self.kv_heads)
+
+    @property
+    def window_dkv_rows(self) -> int:
+        """Query rows per step of window_dkv_kernel: whole groups of the kv head's heads."""
+        return max(self.config.window_block_m, self.gqa_pad)
+
+    @property
+    def window_dkv_steps(self) -> int:
+        """Steps of window_dkv_kernel that cover every query seeing a key tile."""
+        span = self.config.window_block_n + (self.window if self.causal else 2 * self.window)
+        return triton.cdiv(span, self.window_dkv_rows // self.gqa_pad)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -848,13 +857,14 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),
             n, hq, hk, problem.scale,
             GQA_SHARED_HEADS=hq // hk,
+            GQA_PAD=problem.gqa_pad,
             BLOCK_N=config.window_block_n,
-            BLOCK_M=config.window_block_m,
+            BLOCK_M=problem.window_dkv_rows,
             D=d,
             D_PAD=_padded_head_dim(d),
             CAUSAL=problem.causal,
             WINDOW=problem.window,
-            QUERY_TILES=problem.sliding_query_tiles,
+            QUERY_STEPS=problem.window_dkv_steps,
             DOT_PRECISION=precision,
             num_warps=config.window_warps,
             num_stages=config.window_stages,

@@ -23,8 +23,11 @@ times as often.
   selection's dQ pass adds to its own, and the window's delta = rowsum(dO * O).
 - ``window_dkv_kernel``: one program per (key tile, kv head, batch z); the window is a
   band, so the queries that see a key tile are known and dK / dV of the window are
-  accumulated in registers without atomics. It also adds the selection's float32
-  accumulators and writes dK and dV in the input dtype.
+  accumulated in registers without atomics. Its steps take rows as the window tiles do,
+  consecutive positions x the kv head's query heads: at 32 heads on 2 kv heads, d = 64,
+  n = 65536, window 512, bf16 on an H100, 1.96 -> 1.79 ms against steps of 32 positions of
+  one head at a time. It also adds the selection's float32 accumulators and writes dK
+  and dV in the input dtype.
 """
 
 from __future__ import annotations
@@ -163,18 +166,22 @@ def window_dkv_kernel(
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
     N, HQ, HKV, sm_scale,
-    GQA_SHARED_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    GQA_SHARED_HEADS: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr, QUERY_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, QUERY_STEPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the sliding window for BLOCK_N keys of one kv head, plus the selection's
-    float32 accumulators, written in the input dtype."""
+    float32 accumulators, written in the input dtype. A step takes BLOCK_M query rows:
+    BLOCK_M // GQA_PAD consecutive positions of all the kv head's query heads."""
+    POSITIONS: tl.constexpr = BLOCK_M // GQA_PAD
     key_start = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1)
     z = tl.program_id(2)
     pos = key_start + tl.arange(0, BLOCK_N)
     key_ok = pos < N
-    offs_m = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * GQA_SHARED_HEADS + rows % GQA_PAD
+    head_ok = rows % GQA_PAD < GQA_SHARED_HEADS
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     k = load_tile(K, strided_rows(z, kv_head, pos, stride_kz, stride_kh, stride_kn), key_ok, offs_d, d_ok, stride_kd)
@@ -187,28 +194,25 @@ def window_dkv_kernel(
     else:
         q_lo = tl.maximum(key_start - WINDOW, 0)
     q_hi = tl.minimum(key_start + BLOCK_N + WINDOW, N)
-    first = (q_lo // BLOCK_M) * BLOCK_M
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    for g in range(0, GQA_SHARED_HEADS):
-        head = kv_head * GQA_SHARED_HEADS + g
-        for t in range(0, QUERY_TILES):
-            q_pos = first + t * BLOCK_M + offs_m
-            q_ok = q_pos < q_hi
-            q_rows = strided_rows(z, head, q_pos, stride_qz, stride_qh, stride_qn)
-            do_rows = strided_rows(z, head, q_pos, stride_sdoz, stride_sdoh, stride_sdon)
-            q = load_tile(Q, q_rows, q_ok, offs_d, d_ok, stride_qd)
-            do = load_tile(SWA_DO, do_rows, q_ok, offs_d, d_ok, stride_sdod)
-            lse_rows = (z.to(tl.int64) * HQ + head) * N + q_pos
-            lse2 = load_lse2(SWA_LSE, lse_rows, q_ok)
-            delta = tl.load(SWA_DELTA + lse_rows, mask=q_ok, other=0.0)
-            distance = q_pos[None, :] - pos[:, None]
-            if CAUSAL:
-                in_window = (distance >= 0) & (distance <= WINDOW)
-            else:
-                in_window = (distance >= -WINDOW) & (distance <= WINDOW)
-            dk, dv = dkv_tile(k, v, q, do, lse2, delta, in_window & key_ok[:, None] & q_ok[None, :], scale2, 1.0,
-                              dk, dv, DOT_PRECISION)
+    for t in range(0, QUERY_STEPS):
+        q_pos = q_lo + t * POSITIONS + rows // GQA_PAD
+        q_ok = head_ok & (q_pos < q_hi)
+        q_rows = strided_rows(z, head, q_pos, stride_qz, stride_qh, stride_qn)
+        do_rows = strided_rows(z, head, q_pos, stride_sdoz, stride_sdoh, stride_sdon)
+        q = load_tile(Q, q_rows, q_ok, offs_d, d_ok, stride_qd)
+        do = load_tile(SWA_DO, do_rows, q_ok, offs_d, d_ok, stride_sdod)
+        lse_rows = (z.to(tl.int64) * HQ + head) * N + q_pos
+        lse2 = load_lse2(SWA_LSE, lse_rows, q_ok)
+        delta = tl.load(SWA_DELTA + lse_rows, mask=q_ok, other=0.0)
+        distance = q_pos[None, :] - pos[:, None]
+        if CAUSAL:
+            visible = (distance >= 0) & (distance <= WINDOW)
+        else:
+            visible = (distance >= -WINDOW) & (distance <= WINDOW)
+        visible &= key_ok[:, None] & q_ok[None, :]
+        dk, dv = dkv_tile(k, v, q, do, lse2, delta, visible, scale2, 1.0, dk, dv, DOT_PRECISION)
     acc_rows = dense_rows(z, kv_head, pos, HKV, N, D)
     dk = dk * sm_scale + load_tile(DK_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
     dv = dv + load_tile(DV_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
