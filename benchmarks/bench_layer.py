@@ -187,10 +187,12 @@ def profile(n: int, path: Path | None) -> str:
 
 
 def _kernel_names(module) -> set[str]:
-    """Names of the Triton kernels a module defines (what the profiler reports)."""
+    """Names of the Triton kernels a module defines, not those it imports (what the
+    profiler reports)."""
     from triton.runtime import JITFunction
 
-    return {name for name, value in vars(module).items() if isinstance(value, JITFunction)}
+    return {name for name, value in vars(module).items()
+            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__}
 
 
 def _triton_resources(name: str) -> tuple[int, int] | None:
