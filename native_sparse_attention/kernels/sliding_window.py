@@ -52,8 +52,8 @@ from native_sparse_attention.kernels.attention_tiles import (
 
 
 @triton.jit
-def window_rows(tile, first_head, M, SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                WINDOW_ROWS: tl.constexpr):
+def _window_rows(tile, first_head, M, SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                 WINDOW_ROWS: tl.constexpr):
     """Query rows, query heads and existence of the rows of window tile ``tile``: tile row
     r is head ``r % HEADS_PAD`` of the group at query row ``tile * WINDOW_QUERIES + r // HEADS_PAD``."""
     WINDOW_QUERIES: tl.constexpr = WINDOW_ROWS // HEADS_PAD
@@ -64,8 +64,8 @@ def window_rows(tile, first_head, M, SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: 
 
 
 @triton.jit
-def window_keys(tile, M, Q_START, N, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_QUERIES: tl.constexpr,
-                WINDOW_N: tl.constexpr):
+def _window_keys(tile, M, Q_START, N, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_QUERIES: tl.constexpr,
+                 WINDOW_N: tl.constexpr):
     """The WINDOW_N-aligned start and the end of the keys any row of window tile ``tile`` sees."""
     first_query = Q_START + tile * WINDOW_QUERIES
     last_query = Q_START + tl.minimum(tile * WINDOW_QUERIES + WINDOW_QUERIES, M) - 1
@@ -77,12 +77,18 @@ def window_keys(tile, M, Q_START, N, WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def in_window(i, pos, WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
-    """[len(i), len(pos)]: key ``pos`` lies in query ``i``'s window."""
-    distance = i[:, None] - pos[None, :]
+def _in_band(distance, WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """Whether a key lies in a query's window, from ``distance`` = query position - key
+    position (any shape)."""
     if CAUSAL:
         return (distance >= 0) & (distance <= WINDOW)
     return (distance >= -WINDOW) & (distance <= WINDOW)
+
+
+@triton.jit
+def _in_window(i, pos, WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """[len(i), len(pos)]: key ``pos`` lies in query ``i``'s window."""
+    return _in_band(i[:, None] - pos[None, :], WINDOW, CAUSAL)
 
 
 @triton.jit
@@ -96,7 +102,7 @@ def window_forward(
     D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``."""
-    r, heads, row_ok = window_rows(tile, first_head, M, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
+    r, heads, row_ok = _window_rows(tile, first_head, M, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
     i = Q_START + r
     offs_n = tl.arange(0, WINDOW_N)
     offs_d = tl.arange(0, D_PAD)
@@ -108,12 +114,12 @@ def window_forward(
     m_i = tl.full([WINDOW_ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([WINDOW_ROWS], tl.float32)
     acc = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
-    first, hi = window_keys(tile, M, Q_START, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
+    first, hi = _window_keys(tile, M, Q_START, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
     for start in range(first, hi, WINDOW_N):
         pos = start + offs_n
         key_ok = pos < hi
         m_i, l_i, acc = softmax_tile(
-            q, k_cols, v_cols, pos, in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
+            q, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
             key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, scale2, m_i, l_i, acc, DOT_PRECISION,
         )
     out_rows = dense_rows(z, heads, r, HQ, M, D)
@@ -136,7 +142,7 @@ def window_dq_kernel(
     """The window's dQ (float32, into DQ_WINDOW) and delta of window tile ``program_id(0)``."""
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     tile = tl.program_id(0)
-    i, heads, row_ok = window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
+    i, heads, row_ok = _window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
     offs_n = tl.arange(0, WINDOW_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
@@ -147,12 +153,12 @@ def window_dq_kernel(
     )
 
     dq = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
-    first, hi = window_keys(tile, N, 0, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
+    first, hi = _window_keys(tile, N, 0, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
     for start in range(first, hi, WINDOW_N):
         pos = start + offs_n
         key_ok = pos < hi
         dq, _ = dq_tile(
-            q, do, lse2, delta, k_cols, v_cols, pos, in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
+            q, do, lse2, delta, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
             key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, sm_scale * LOG2E, sm_scale, dq, DOT_PRECISION,
         )
     tl.store(DQ_WINDOW + out_rows[:, None] + offs_d[None, :], dq, mask=row_ok[:, None] & d_ok[None, :])
@@ -206,12 +212,7 @@ def window_dkv_kernel(
         lse_rows = (z.to(tl.int64) * HQ + head) * N + q_pos
         lse2 = load_lse2(SWA_LSE, lse_rows, q_ok)
         delta = tl.load(SWA_DELTA + lse_rows, mask=q_ok, other=0.0)
-        distance = q_pos[None, :] - pos[:, None]
-        if CAUSAL:
-            visible = (distance >= 0) & (distance <= WINDOW)
-        else:
-            visible = (distance >= -WINDOW) & (distance <= WINDOW)
-        visible &= key_ok[:, None] & q_ok[None, :]
+        visible = _in_band(q_pos[None, :] - pos[:, None], WINDOW, CAUSAL) & key_ok[:, None] & q_ok[None, :]
         dk, dv = dkv_tile(k, v, q, do, lse2, delta, visible, scale2, 1.0, dk, dv, DOT_PRECISION)
     acc_rows = dense_rows(z, kv_head, pos, HKV, N, D)
     dk = dk * sm_scale + load_tile(DK_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
