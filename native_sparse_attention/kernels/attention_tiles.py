@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.library import head_offset
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -27,12 +29,6 @@ def program_heads(SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr
     z = tl.program_id(2)
     first_head = sel_head * SEL_SHARED_HEADS
     return z, sel_head, first_head // GQA_SHARED_HEADS, first_head
-
-
-@triton.jit
-def head_offset(z, h, stride_z, stride_h):
-    """int64 offset of head ``[z, h]`` of a strided tensor."""
-    return z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h
 
 
 @triton.jit

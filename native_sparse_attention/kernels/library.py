@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["NAMESPACE", "launcher_op", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
-           "row_tiles", "position_in_memory", "start_position", "head_pointer", "dot_precision"]
+           "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer", "dot_precision"]
 
 NAMESPACE = "native_sparse_attention"
 
@@ -139,9 +139,15 @@ def row_tiles(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescripto
 
 
 @triton.jit
+def head_offset(z, h, stride_z, stride_h):
+    """int64 offset of head ``[z, h]`` of a strided tensor, so that huge tensors stay addressable."""
+    return z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h
+
+
+@triton.jit
 def head_pointer(ptr, z, h, stride_z, stride_h):
-    """``ptr`` advanced to head ``[z, h]`` in int64, so that huge tensors stay addressable."""
-    return ptr + z.to(tl.int64) * stride_z + h.to(tl.int64) * stride_h
+    """``ptr`` advanced to head ``[z, h]`` (``head_offset``)."""
+    return ptr + head_offset(z, h, stride_z, stride_h)
 
 
 @triton.jit

@@ -89,7 +89,6 @@ from native_sparse_attention.kernels.attention_tiles import (
     dense_rows,
     dkv_tile,
     dq_tile,
-    head_offset,
     load_lse2,
     load_tile,
     program_heads,
@@ -97,7 +96,9 @@ from native_sparse_attention.kernels.attention_tiles import (
     store_attention,
     strided_rows,
 )
-from native_sparse_attention.kernels.library import dot_precision, launcher_op, position_in_memory, start_position
+from native_sparse_attention.kernels.library import (
+    dot_precision, head_offset, launcher_op, position_in_memory, start_position,
+)
 from native_sparse_attention.kernels.sliding_window import window_dkv_kernel, window_dq_kernel, window_forward
 
 __all__ = ["LaunchConfig", "default_launch_config", "selection_attention", "selection_attention_at"]

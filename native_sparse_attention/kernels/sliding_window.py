@@ -41,7 +41,6 @@ from native_sparse_attention.kernels.attention_tiles import (
     dense_rows,
     dkv_tile,
     dq_tile,
-    head_offset,
     load_lse2,
     load_tile,
     program_heads,
@@ -49,6 +48,7 @@ from native_sparse_attention.kernels.attention_tiles import (
     store_attention,
     strided_rows,
 )
+from native_sparse_attention.kernels.library import head_offset
 
 
 @triton.jit
