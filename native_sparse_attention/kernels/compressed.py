@@ -29,9 +29,11 @@ share the query rows of one dK / dV key tile (grid axis 2).
 Kernels
 -------
 ``_attention_fwd_kernel``: flash forward over memory + compressed keys -> OUT, LSE.
-``_output_grad_dot_kernel``: DELTA = rowsum(dOUT * OUT), the softmax-backward correction.
-``_attention_bwd_dq_kernel``: dQ; with SCORE_GRAD it first gathers the chosen blocks'
-keys for the scores' share of dQ and adds rowsum(P * G) to DELTA.
+``_attention_bwd_dq_kernel``: dQ, and DELTA = rowsum(dOUT * OUT), the softmax-backward
+correction, from the dOUT tile it loads anyway (at the layer benchmark's n = 65536 on an
+H100 a pass of its own took 0.19 ms and one more launch; the OUT tile adds 0.16 ms to
+dQ); with SCORE_GRAD it first gathers the chosen blocks' keys for the scores' share of dQ
+and adds rowsum(P * G) to DELTA.
 ``_attention_bwd_dkdv_kernel``: per query head partial dK, dV (summed over the group on
 the host, which keeps the result deterministic); with SCORE_GRAD, dP gains G per tile.
 Short sequences have too few (head, key tile) pairs to fill the GPU, so the rows that
@@ -299,26 +301,6 @@ def _merge_partial_outputs_kernel(
 
 
 @triton.jit
-def _output_grad_dot_kernel(
-    OUT, DOUT, DELTA,
-    stride_oz, stride_oh, stride_om,
-    stride_dz, stride_dh, stride_dm,
-    HQ, M,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    zh = tl.program_id(0)
-    z, h = zh // HQ, zh % HQ
-    m_start = tl.program_id(1) * BLOCK_M
-    o = _load_rows(head_pointer(OUT, z, h, stride_oz, stride_oh), m_start, stride_om, M,
-                   BLOCK_M, BLOCK_D, HEAD_DIM)
-    do = _load_rows(head_pointer(DOUT, z, h, stride_dz, stride_dh), m_start, stride_dm, M,
-                    BLOCK_M, BLOCK_D, HEAD_DIM)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    rows = m_start + tl.arange(0, BLOCK_M)
-    tl.store(DELTA + zh.to(tl.int64) * M + rows, delta, mask=rows < M)
-
-
-@triton.jit
 def _score_grad_t(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE, SBS,
                   TOPN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_J: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -514,7 +496,7 @@ def _score_path(q, lse, rows, M, k_ptr, stride_kn, sel_ptr, dscore_ptr, key_limi
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q_TILES, K_TILES, V_TILES, DO_TILES, K, LSE, DELTA, SEL, DSCORE, DQ,
+    Q_TILES, K_TILES, V_TILES, DO_TILES, OUT_TILES, K, LSE, DELTA, SEL, DSCORE, DQ,
     stride_kz, stride_kh, stride_kn,
     stride_gz, stride_gh, stride_gm,
     HQ, M, N, NUM_MEM, CBS, STRIDE, SBS, qk_scale, sm_scale,
@@ -523,9 +505,10 @@ def _attention_bwd_dq_kernel(
     SCORE_GRAD: tl.constexpr, HEADS_PER_SELECTION: tl.constexpr, TOPN: tl.constexpr,
     KEYS_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # With SCORE_GRAD, dS = P * (dP + G - delta - rowsum(P * G)): this kernel adds the
-    # last term to DELTA, in place, for the dK / dV kernel that runs after it. K (with
-    # its strides) is the pointer that path gathers single keys through.
+    # dS = P * (dP - delta) with delta = rowsum(dO * O), and with SCORE_GRAD
+    # P * (dP + G - delta - rowsum(P * G)): this kernel computes delta, with the last
+    # term, and stores it in DELTA for the dK / dV kernel that runs after it (and the
+    # caller). K (with its strides) is the pointer that path gathers single keys through.
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -534,8 +517,8 @@ def _attention_bwd_dq_kernel(
     q = _load_tile(Q_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
     do = _load_tile(DO_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
     lse = _load_lse_log2(LSE + zh.to(tl.int64) * M, rows, M)
-    delta_ptr = DELTA + zh.to(tl.int64) * M
-    delta = tl.load(delta_ptr + rows, mask=rows < M, other=0.0)
+    o = _load_tile(OUT_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     key_limit = NUM_MEM + _num_visible(rows, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -547,7 +530,7 @@ def _attention_bwd_dq_kernel(
                              key_limit, NUM_MEM, CBS, STRIDE, SBS, qk_scale, TOPN,
                              KEYS_PER_BLOCK, BLOCK_M, BLOCK_D, HEAD_DIM)
         delta += pg
-        tl.store(delta_ptr + rows, delta, mask=rows < M)
+    tl.store(DELTA + zh.to(tl.int64) * M + rows, delta, mask=rows < M)
 
     full_end, keys_end = _query_key_ranges(m_start, M, 0, NUM_MEM, N - NUM_MEM, CBS, STRIDE,
                                            BLOCK_M, BLOCK_N, IS_CAUSAL)
@@ -960,10 +943,6 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     block_d = _block_d(d)
 
     delta = _allocate((b, hq, n), torch.float32, q.device)
-    _output_grad_dot_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
-        out, dout, delta, *head_strides(out), *head_strides(dout), hq, n,
-        HEAD_DIM=d, BLOCK_M=dq_tiles.block_m, BLOCK_D=block_d,
-    )
     if has_score_grad:
         # Each row's slots in ascending block order (what _score_grad_t relies on), slots
         # without a gradient moved last as the first block past the end, which overlaps
@@ -984,11 +963,11 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     meta = dict(GQA_SHARED_HEADS=hq // hk, IS_CAUSAL=geo.causal, HEAD_DIM=d, BLOCK_D=block_d,
                 DOT_PRECISION=dot_precision(q.dtype), **selection_meta)
 
-    # dQ first: with score gradients it completes delta, which dK / dV read.
+    # dQ first: it computes delta, which dK / dV read.
     dq = new_heads_tensor(q, is_tokens_major(q), lambda shape: _allocate(shape, q.dtype, q.device))
     _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
-        *_query_and_key_tiles(q, dout, ck, cv, dq_tiles, block_d), ck, lse, delta, *selection, dq,
-        *head_strides(ck), *head_strides(dq), *geometry,
+        *_query_and_key_tiles(q, dout, ck, cv, dq_tiles, block_d), row_tiles(out, dq_tiles.block_m, block_d),
+        ck, lse, delta, *selection, dq, *head_strides(ck), *head_strides(dq), *geometry,
         KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
     )
     # Partials per query head and share of the rows, summed below over each group and
