@@ -32,8 +32,8 @@ Kernels
 ``_attention_bwd_dq_kernel``: dQ, and DELTA = rowsum(dOUT * OUT), the softmax-backward
 correction, from the dOUT tile it loads anyway (at the layer benchmark's n = 65536 on an
 H100 a pass of its own took 0.19 ms and one more launch; the OUT tile took dQ from 2.62
-to 2.65-2.71 ms); with SCORE_GRAD it first gathers the chosen blocks' keys for the scores' share of dQ
-and adds rowsum(P * G) to DELTA.
+to 2.65-2.71 ms); with SCORE_GRAD it first gathers the chosen blocks' keys for the
+scores' share of dQ and adds rowsum(P * G) to DELTA.
 ``_attention_bwd_dkdv_kernel``: per query head partial dK, dV (summed over the group on
 the host, which keeps the result deterministic); with SCORE_GRAD, dP gains G per tile.
 Short sequences have too few (head, key tile) pairs to fill the GPU, so the rows that
