@@ -26,7 +26,11 @@ times as often.
   accumulated in registers without atomics. Its steps take rows as the window tiles do,
   consecutive positions x the kv head's query heads: at 32 heads on 2 kv heads, d = 64,
   n = 65536, window 512, bf16 on an H100, 1.96 -> 1.79 ms against steps of 32 positions of
-  one head at a time. It also adds the selection's float32 accumulators and writes dK
+  one head at a time. Each program starts its walk over the queries at the multiple of
+  its span that its range holds and wraps around, so that the programs of neighbouring
+  key tiles read the same query rows at the same time: walked from the first query, the
+  pass read q and dO from DRAM (an L2 hit rate of 5% on an H200; same configuration,
+  1.83 -> 1.54 ms on an H100). It also adds the selection's float32 accumulators and writes dK
   and dV in the input dtype.
 """
 
@@ -200,10 +204,17 @@ def window_dkv_kernel(
     else:
         q_lo = tl.maximum(key_start - WINDOW, 0)
     q_hi = tl.minimum(key_start + BLOCK_N + WINDOW, N)
+    # The programs of neighbouring key tiles read nearly the same queries. Walked in step
+    # order from q_lo they would read each query row at different times, by when L2 has
+    # evicted it; each starts instead at the multiple of the span in its range and wraps
+    # around, so the programs sharing that multiple read the same rows together.
+    span: tl.constexpr = QUERY_STEPS * POSITIONS
+    first_step = (span - q_lo % span) % span // POSITIONS
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     for t in range(0, QUERY_STEPS):
-        q_pos = q_lo + t * POSITIONS + rows // GQA_PAD
+        step = (t + first_step) % QUERY_STEPS
+        q_pos = q_lo + step * POSITIONS + rows // GQA_PAD
         q_ok = head_ok & (q_pos < q_hi)
         q_rows = strided_rows(z, head, q_pos, stride_qz, stride_qh, stride_qn)
         do_rows = strided_rows(z, head, q_pos, stride_sdoz, stride_sdoh, stride_sdon)
