@@ -370,13 +370,17 @@ def _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_pt
     do = _load_tile(DO_TILES, z, h, m_start, BLOCK_M, BLOCK_D)
     lse = _load_lse_log2(lse_ptr, rows, M)
     delta = tl.load(delta_ptr + rows, mask=rows < M, other=0.0)
-    p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
+    # Both score dots go out before the exponentials, so that the tensor cores compute
+    # dP^T while P^T is exponentiated (the layer at n = 65536 on an H100: 5.20 -> 4.96-5.00
+    # ms). The same order made the dQ passes here and in attention_tiles.dq_tile slower.
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
     if MASKED:
         key_limit = NUM_MEM + _num_visible(rows, NC, CBS, STRIDE, IS_CAUSAL)
         cols = key_start + tl.arange(0, BLOCK_N)
         p_t = tl.where(cols[:, None] < key_limit[None, :], p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if SCORE_GRAD:
         dp_t += _score_grad_t(sel_ptr, dscore_ptr, rows, M, key_start, NUM_MEM, CBS, STRIDE,
                               SBS, TOPN, BLOCK_M, BLOCK_N, BLOCK_J, DOT_PRECISION)
