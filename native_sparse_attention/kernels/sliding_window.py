@@ -30,8 +30,8 @@ times as often.
   its span that its range holds and wraps around, so that the programs of neighbouring
   key tiles read the same query rows at the same time: walked from the first query, the
   pass read q and dO from DRAM (an L2 hit rate of 5% on an H200; same configuration,
-  1.83 -> 1.54 ms on an H100). It also adds the selection's float32 accumulators and writes dK
-  and dV in the input dtype.
+  1.83 -> 1.54 ms on an H100). It also adds the selection's float32 accumulators and
+  writes dK and dV in the input dtype.
 """
 
 from __future__ import annotations
@@ -204,10 +204,8 @@ def window_dkv_kernel(
     else:
         q_lo = tl.maximum(key_start - WINDOW, 0)
     q_hi = tl.minimum(key_start + BLOCK_N + WINDOW, N)
-    # The programs of neighbouring key tiles read nearly the same queries. Walked in step
-    # order from q_lo they would read each query row at different times, by when L2 has
-    # evicted it; each starts instead at the multiple of the span in its range and wraps
-    # around, so the programs sharing that multiple read the same rows together.
+    # Start at the multiple of the span in [q_lo, q_lo + span) and wrap around: the
+    # programs of neighbouring key tiles then read each query row together, while L2 holds it.
     span: tl.constexpr = QUERY_STEPS * POSITIONS
     first_step = (span - q_lo % span) % span // POSITIONS
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
