@@ -10,6 +10,9 @@ import pytest
 import torch
 from einops import rearrange
 
+from native_sparse_attention.kernels import compressed as compressed_kernels
+from native_sparse_attention.kernels import gate_combine
+from native_sparse_attention.kernels import selection as selection_kernels
 from native_sparse_attention.kernels.gate_combine import gated_branches, gated_sum
 from native_sparse_attention.reference import compressed_attend, selected_attend, sliding_window_attend
 from native_sparse_attention.selection import num_compressed_blocks
@@ -59,8 +62,22 @@ def test_rejects_mismatched_shapes():
         gated_sum(torch.zeros(3, 1, 2, 4, device=DEVICE), branch, branch, branch[..., :4])
 
 
-@pytest.mark.parametrize("causal, share_selection, num_mem", [(True, True, 0), (False, False, 1)])
-def test_gated_branches_match_references(causal, share_selection, num_mem):
+# float16 takes the launch configuration whose window tiles run in a launch of their own,
+# so that the selection's launch writes the gated sum itself; float32 runs the gated-sum
+# kernel after it.
+@pytest.mark.parametrize("causal, share_selection, num_mem, dtype",
+                         [(True, True, 0, torch.float32), (False, False, 1, torch.float32),
+                          (True, True, 0, torch.float16), (True, False, 1, torch.float16)])
+def test_gated_branches_match_references(monkeypatch, causal, share_selection, num_mem, dtype):
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
+
+    monkeypatch.setattr(selection_kernels, "_empty", poisoned)
+    monkeypatch.setattr(compressed_kernels, "_allocate", poisoned)
+    gated_sum_launches = []
+    gated_sum_kernel = gate_combine._forward
+    monkeypatch.setattr(gate_combine, "_forward", lambda *args: gated_sum_launches.append(1) or gated_sum_kernel(*args))
+
     b, hq, hk, n, d = 1, 4, 2, 70, 16
     compress_block, stride, block, num_selected, window = 8, 4, 16, 2, 12
     scale = d**-0.5
@@ -75,7 +92,7 @@ def test_gated_branches_match_references(causal, share_selection, num_mem):
     gates[0, :, :, :6] = 0.0
     gates[1, 0, 1, 40:44] = 0.0
     inputs = {"gates": gates, **tensors}
-    inputs = {name: t.to(DEVICE).requires_grad_() for name, t in inputs.items()}
+    inputs = {name: t.to(DEVICE, dtype).requires_grad_() for name, t in inputs.items()}
     # The layer's views: gates of a [b, n, 3 * hq] projection, q of its qkv projection.
     gates_view = rearrange(rearrange(inputs["gates"], "s b h n -> b n (h s)").detach(), "b n (h s) -> s b h n", s=3)
     q_view = inputs["q"].detach().transpose(1, 2).contiguous().transpose(1, 2)
@@ -85,7 +102,7 @@ def test_gated_branches_match_references(causal, share_selection, num_mem):
         (compress_block, stride, num_mem, causal, scale, block, num_selected, share_selection),
         (block, causal, window, scale),
     )
-    dmerged = torch.randn(merged.shape, generator=gen).to(DEVICE)
+    dmerged = torch.randn(merged.shape, generator=gen).to(DEVICE, dtype)
     merged.backward(dmerged)
 
     ref = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
@@ -98,7 +115,9 @@ def test_gated_branches_match_references(causal, share_selection, num_mem):
     ref_merged.backward(dmerged.double())
 
     assert selection.indices.shape == (b, hk if share_selection else hq, n, num_selected)
-    tol = 1e-5
+    assert merged.shape == (b, n, hq * d) and merged.dtype == dtype
+    assert len(gated_sum_launches) == (dtype == torch.float32)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(merged.double(), ref_merged, atol=tol, rtol=tol)
     for name, t in inputs.items():
         assert torch.isfinite(t.grad).all(), name

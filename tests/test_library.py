@@ -45,10 +45,22 @@ def _selection_inputs(window, with_scale, per_query_head=False):
 def test_selection_operators(window, with_scale, per_query_head):
     inputs = _selection_inputs(window, with_scale, per_query_head)
     torch.library.opcheck(OPS.selection_forward, inputs, test_utils=CHECKS)
-    out, lse, swa_out, swa_lse = OPS.selection_forward(*inputs)
+    out, lse, swa_out, swa_lse, _ = OPS.selection_forward(*inputs)
     grads = (torch.randn_like(out), torch.randn_like(swa_out) if window is not None else None)
     backward_inputs = (*inputs[:6], out, lse, swa_out, swa_lse, *grads, *inputs[6:])
     torch.library.opcheck(OPS.selection_backward, backward_inputs, test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_selection_forward_with_gates(dtype):
+    """With gates and the compressed output the forward also returns the gated sum where
+    its launch folds it in (float16 here), else an empty tensor."""
+    q, k, v, indices, fmask, _, *options = _selection_inputs(8, False)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    gates = torch.rand(1, 20, 3 * q.shape[1], device=DEVICE, dtype=dtype).unflatten(-1, (-1, 3)).permute(3, 0, 2, 1)
+    inputs = (q, k, v, indices, fmask, None, *options, 0, gates, torch.randn_like(q))
+    torch.library.opcheck(OPS.selection_forward, inputs, test_utils=CHECKS)
+    assert OPS.selection_forward(*inputs)[-1].numel() == (0 if dtype == torch.float32 else q.numel())
 
 
 @pytest.mark.parametrize("share_selection, tokens_major", [(True, True), (False, False)])

@@ -78,13 +78,15 @@ def softmax_tile(
 
 @triton.jit
 def store_attention(O, LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok):
-    """Normalise and store the outputs and natural-log LSE; a row without keys gets 0 and -inf."""
+    """Normalise and store the outputs and natural-log LSE; a row without keys gets 0 and -inf.
+    Returns the output tile as stored, in O's dtype."""
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    out = acc / l_safe[:, None]
-    tl.store(O + out_rows[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
+    tl.store(O + out_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + lse_rows, lse, mask=row_ok)
+    return out
 
 
 @triton.jit

@@ -21,7 +21,10 @@ gradients ``dBk = G[k] * dOUT``. Each branch's backward gets dOUT itself, with i
 folded into its LSE: ``exp(s - (lse - log g)) = g * P``, so with the correction
 ``rowsum(dOUT * Bk)`` every gradient of the branch (dV = (gP)^T dOUT, dS = gP * (dP -
 rowsum(dOUT * Bk)), hence dQ and dK) equals the one from ``g * dOUT``; that correction,
-which the branch's backward computes anyway, is also the gate's gradient ``dG[k]``.
+which the branch's backward computes anyway, is also the gate's gradient ``dG[k]``. Its
+forward takes the gated sum from the selection's forward launch where the window's tiles
+run in a launch of their own (``sliding_window._store_gated_sum``), and from this
+module's kernel otherwise.
 """
 
 from __future__ import annotations
@@ -251,10 +254,11 @@ class _GatedBranches(torch.autograd.Function):
         out_c, lse_c, indices, mask, scores = compressed_kernels._attend_and_select_forward(
             q, ck, cv, *compressed_options
         )
-        out_s, lse_s, out_w, lse_w = selection_kernels._launch_forward(
-            rq, rk, v, indices, mask, None, *selection_options
+        out_s, lse_s, out_w, lse_w, merged = selection_kernels._launch_forward(
+            rq, rk, v, indices, mask, None, *selection_options, 0, gates, out_c
         )
-        merged = _forward(gates, out_c, out_s, out_w)
+        if merged.numel() == 0:  # the selection's launch could not fold the sum in
+            merged = _forward(gates, out_c, out_s, out_w)
         ctx.save_for_backward(gates, q, ck, cv, rq, rk, v, indices, mask, out_c, lse_c, out_s, lse_s, out_w, lse_w)
         ctx.options = compressed_options, selection_options
         ctx.mark_non_differentiable(indices, mask, scores)

@@ -43,7 +43,14 @@ positions per program, one warp each through a batched [positions, ROWS, D] dot,
   is launched twice instead, once for each kind of program: at 32 heads on 2 kv heads,
   d = 64, n = 65536, window 512, bf16 on an H100, the shared launch took 5.96 ms, the
   selection alone 4.22 ms and the window alone 0.96 ms in 8-warp tiles of 128 rows
-  (1.56 ms in the shared launch's one-warp tiles of 32 rows).
+  (1.56 ms in the shared launch's one-warp tiles of 32 rows). The window's launch then
+  comes second, so that its tiles can also write the layer's gated sum of the three
+  branches (``sliding_window._store_gated_sum``, for ``gate_combine.gated_branches``):
+  at the layer benchmark's n = 65536 on an H100 that added 0.19 ms to the window's
+  launch and spared the gated-sum kernel's 0.36 ms. Written by the one-warp selection
+  programs instead, each reading its 16 heads' rows of the other two branches as 16
+  separate 128-byte runs, the sum added 0.7 ms to their launch (1.0 ms with those rows
+  loaded before the key loop).
 - ``_dq_kernel``: recomputes P per tile; dQ stays in registers (the program owns all of
   its query's keys, so no atomics), dsel_scale is reduced per slot, and delta =
   rowsum(dO * O) is stored for the key side. With SLIDING it adds the window's dQ, which
@@ -211,20 +218,24 @@ def _selection_forward(
 # per divisibility by 16 (and for the value 1) of each; no address here gains from it.
 @triton.jit(do_not_specialize=("M", "Q_START", "N"))
 def _fwd_kernel(
-    Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, SWA_O, SWA_LSE,
+    Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, SWA_O, SWA_LSE, GATES, OUT_C, MERGED,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_gk, stride_gz, stride_gh, stride_gn,
     M, Q_START, Q_START_PTR, N, HQ, HS, NUM_WINDOW_TILES, sm_scale,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
     SLIDING: tl.constexpr, WINDOW: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr,
-    WINDOW_N: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
+    WINDOW_N: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
 ):
     """Programs [0, NUM_WINDOW_TILES) of axis 0 run window tiles (only with SLIDING), the
-    others query row ``program_id(0) - NUM_WINDOW_TILES`` of the selection."""
+    others query row ``program_id(0) - NUM_WINDOW_TILES`` of the selection. GATED (a
+    launch of window tiles alone, after the selection's): the window tiles also write the
+    layer's gated sum MERGED [Z, M, HQ * D] from GATES [3, Z, HQ, M] (any strides), the
+    compressed branch's OUT_C and the selection's O (``window_forward``)."""
     Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     pid = tl.program_id(0)
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
@@ -235,13 +246,14 @@ def _fwd_kernel(
         if SLIDING:
             window_forward(
                 Q, K, V, SWA_O, SWA_LSE, pid, z, kv_head, first_head, *strides, M, Q_START, N, HQ, scale2,
-                SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS, WINDOW_N, D, D_PAD, CAUSAL, WINDOW, DOT_PRECISION,
+                GATES, OUT_C, O, MERGED, stride_gk, stride_gz, stride_gh, stride_gn,
+                SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS, WINDOW_N, D, D_PAD, CAUSAL, WINDOW, GATED, DOT_PRECISION,
             )
     else:
         _selection_forward(
             Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, pid - NUM_WINDOW_TILES, z, sel_head, kv_head, first_head,
-            *strides, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS, ROWS, D, D_PAD,
-            CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
+            *strides, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS, ROWS,
+            D, D_PAD, CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
         )
 
 
@@ -381,7 +393,7 @@ def _chunk_position_kernel(
     CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Launch position of BLOCK chunks: (z * HKV + kv_head) * N + the query of the chunk's
-    first entry; past every chunk for the spare ones."""
+    first entry; Z * HKV * N, past every chunk, for the spare ones."""
     chunk = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     exists = chunk < NUM_CHUNKS
     key = tl.load(CHUNK_KEY + chunk, mask=exists, other=NUM_KEYS)
@@ -393,8 +405,8 @@ def _chunk_position_kernel(
     head = (key // NUM_BLOCKS).to(tl.int64)
     # Spare chunks (key NUM_KEYS) go after every real one. Scalar arguments equal to 1
     # arrive as constexprs, hence no .to() on NUM_KEYS or N.
-    position = tl.where(real, head * N + i, key.to(tl.int64) * N)
-    tl.store(POSITION + chunk, position, mask=exists)
+    position = tl.where(real, head * N + i, (key // NUM_BLOCKS).to(tl.int64) * N)
+    tl.store(POSITION + chunk, position.to(POSITION.dtype.element_ty), mask=exists)
 
 
 @triton.jit
@@ -688,17 +700,39 @@ def _selection_operands(indices, fmask, sel_scale, fallback: torch.Tensor):
     return indices.contiguous(), fmask.contiguous().view(torch.uint8), sel_scale
 
 
-def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: torch.Tensor | None = None):
-    """(out, lse, swa_out, swa_lse); the window's two are empty without a window.
+def _folds_gates(problem: _Problem) -> bool:
+    """Whether the forward can write the layer's gated sum: where the window's tiles run
+    in a launch of their own, after the selection's, at the keys' positions."""
+    return problem.window is not None and problem.config.window_fwd_warps is not None and problem.q_offset == 0
+
+
+def _merged_dtype(gates: torch.Tensor, q: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(gates.dtype, q.dtype)
+
+
+def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: torch.Tensor | None = None,
+             gates: torch.Tensor | None = None, compressed_out: torch.Tensor | None = None):
+    """(out, lse, swa_out, swa_lse, merged); the window's two are empty without a window.
 
     ``position``: a one-element int64 device tensor holding the position of query row 0,
-    read by the kernel in place of ``problem.q_offset``."""
+    read by the kernel in place of ``problem.q_offset``.
+    ``gates`` [3, b, hq, n] and ``compressed_out`` (contiguous [b, hq, n, d]): where
+    ``_folds_gates``, ``merged`` is the layer's gated sum [b, n, hq * d]; else empty."""
     b, hq, n, d = problem.batch, problem.query_heads, problem.seq_len, problem.head_dim
     out = _empty((b, hq, n, d), q.dtype, q.device)
     lse = _empty((b, hq, n), torch.float32, q.device)
     sliding = problem.window is not None
     swa_out = _empty((b, hq, n, d) if sliding else (0,), q.dtype, q.device)
     swa_lse = _empty((b, hq, n) if sliding else (0,), torch.float32, q.device)
+    gated = gates is not None and _folds_gates(problem)
+    if gated:
+        assert compressed_out.is_contiguous() and compressed_out.shape == q.shape
+        merged = _empty((b, n, hq * d), _merged_dtype(gates, q), q.device)
+        gate_strides = gates.stride()
+    else:
+        merged = _empty((0,), q.dtype, q.device)
+        gates = compressed_out = lse  # never read: any valid pointers do
+        gate_strides = (0, 0, 0, 0)
     sel_idx, sel_mask, sel_scale = _selection_operands(indices, fmask, sel_scale, lse)
     config = problem.config
     start, start_ptr, in_memory = position_in_memory(problem.q_offset if position is None else position, lse)
@@ -708,11 +742,13 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
                                                                                    WINDOW_ROWS=1, WINDOW_N=1)
         _fwd_kernel[(window_tiles + positions, problem.selection_heads, b)](
             q, k, v, sel_idx, sel_mask, sel_scale, out, lse, swa_out if sliding else out, swa_lse if sliding else lse,
-            *_strides(q), *_strides(k), *_strides(v),
+            gates, compressed_out, merged if gated else lse,
+            *_strides(q), *_strides(k), *_strides(v), *gate_strides,
             n, start, start_ptr, problem.num_keys, hq, problem.selection_heads, window_tiles, problem.scale,
             **problem.constexprs,
             **window,
             SLIDING=window_tiles > 0,
+            GATED=gated and positions == 0,
             DOT_PRECISION=dot_precision(q.dtype),
             Q_START_IN_MEMORY=in_memory,
             num_warps=num_warps,
@@ -721,10 +757,11 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
 
     window_tiles = problem.num_window_tiles(for_dq=False) if sliding else 0
     if window_tiles and config.window_fwd_warps is not None:
+        launch(0, n, config.fwd_warps, config.fwd_stages)
         launch(window_tiles, 0, config.window_fwd_warps, config.window_fwd_stages)
-        window_tiles = 0
-    launch(window_tiles, n, config.fwd_warps, config.fwd_stages)
-    return out, lse, swa_out, swa_lse
+    else:
+        launch(window_tiles, n, config.fwd_warps, config.fwd_stages)
+    return out, lse, swa_out, swa_lse, merged
 
 
 @dataclass(frozen=True)
@@ -759,8 +796,9 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     b, hs, n, device = problem.batch, problem.selection_heads, problem.seq_len, indices.device
     constexprs = problem.constexprs
     num_keys = b * problem.kv_heads * problem.num_blocks
-    # int32 keys halve the radix sort's passes.
-    key_dtype = torch.int32 if num_keys < 2**31 - 1 else torch.int64
+    # Each halving of the keys' width halves the radix sort's passes (NUM_KEYS itself
+    # marks the entries without a key).
+    key_dtype = next(dtype for dtype in (torch.int16, torch.int32, torch.int64) if num_keys < torch.iinfo(dtype).max)
     keys = torch.empty((b, hs, n, constexprs["NUM_SETS"]), dtype=key_dtype, device=device)
     entries = torch.empty(keys.shape, dtype=torch.int64, device=device)
     _entry_keys_kernel[(triton.cdiv(n, ENTRY_KEYS_QUERIES), hs, b)](
@@ -779,7 +817,8 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     chunk_key = torch.searchsorted(chunk_end, torch.arange(max_chunks, device=device), right=True, out_int32=True)
     first_chunk = chunk_end - chunks
     entries = entries.flatten()[order]
-    position = torch.empty(max_chunks, dtype=torch.int64, device=device)
+    position_dtype = torch.int32 if b * problem.kv_heads * n < torch.iinfo(torch.int32).max else torch.int64
+    position = torch.empty(max_chunks, dtype=position_dtype, device=device)
     _chunk_position_kernel[(triton.cdiv(max_chunks, CHUNK_POSITIONS),)](
         entries, first_entry, first_chunk, chunk_key, position, max_chunks, num_keys, n, problem.num_blocks,
         CHUNK=chunk,
@@ -900,23 +939,31 @@ def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, 
     )
 
 
-def _fake_forward(q, k, v, indices, fmask, sel_scale, block_size, causal, window, scale, q_offset=0):
-    b, hq, n, _ = q.shape
+def _fake_forward(q, k, v, indices, fmask, sel_scale, block_size, causal, window, scale, q_offset=0,
+                  gates=None, compressed_out=None):
+    b, hq, n, d = q.shape
     lse = q.new_empty((b, hq, n), dtype=torch.float32)
+    merged = q.new_empty(0)
+    if gates is not None and _folds_gates(_problem(q, k, indices, sel_scale is not None, block_size, causal,
+                                                   window, scale, q_offset)):
+        merged = q.new_empty((b, n, hq * d), dtype=_merged_dtype(gates, q))
     if window is None:
-        return q.new_empty(q.shape), lse, q.new_empty(0), lse.new_empty(0)
-    return q.new_empty(q.shape), lse, q.new_empty(q.shape), lse.new_empty(lse.shape)
+        return q.new_empty(q.shape), lse, q.new_empty(0), lse.new_empty(0), merged
+    return q.new_empty(q.shape), lse, q.new_empty(q.shape), lse.new_empty(lse.shape), merged
 
 
 @launcher_op("selection_forward", _fake_forward)
 def _launch_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, fmask: torch.Tensor,
     sel_scale: torch.Tensor | None, block_size: int, causal: bool, window: int | None, scale: float,
-    q_offset: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (out, lse, swa_out, swa_lse); swa_out and swa_lse are empty when window is None."""
+    q_offset: int = 0, gates: torch.Tensor | None = None, compressed_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (out, lse, swa_out, swa_lse, merged); swa_out and swa_lse are empty when window
+    is None. With ``gates`` [3, b, hq, n] and the compressed branch's ``compressed_out``
+    (contiguous, q's shape), ``merged`` is the layer's gated sum [b, n, hq * d] where the
+    launch can fold it in (``_folds_gates``), empty otherwise."""
     problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale, q_offset)
-    return _forward(problem, q, k, v, indices, fmask, sel_scale)
+    return _forward(problem, q, k, v, indices, fmask, sel_scale, gates=gates, compressed_out=compressed_out)
 
 
 def _fake_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse, d_out, d_swa_out,
@@ -946,7 +993,7 @@ class _SelectionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sel_scale, indices, fmask, block_size, causal, window, scale, q_offset):
         options = (block_size, causal, window, scale)
-        out, lse, swa_out, swa_lse = _launch_forward(q, k, v, indices, fmask, sel_scale, *options, q_offset)
+        out, lse, swa_out, swa_lse, _ = _launch_forward(q, k, v, indices, fmask, sel_scale, *options, q_offset)
         ctx.options = options
         ctx.save_for_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse)
         ctx.mark_non_differentiable(lse)
@@ -1008,5 +1055,5 @@ def selection_attention_at(
     [b, hq, m, d] each.
     """
     problem = _problem(q, k, selected_block_indices, False, block_size, True, sliding_window_size, scale)
-    out, _, swa_out, _ = _forward(problem, q, k, v, selected_block_indices, fmask, None, position)
+    out, _, swa_out, _, _ = _forward(problem, q, k, v, selected_block_indices, fmask, None, position)
     return out, swa_out

@@ -18,7 +18,8 @@ serving every row. A per-position program would read each window key WINDOW_QUER
 times as often.
 
 - ``window_forward``: one window tile's online softmax; the selection's ``_fwd_kernel``
-  calls it from its first programs.
+  calls it from its first programs. In a launch of its own, after the selection's, it
+  can also write the layer's gated sum of the three branches for its rows.
 - ``window_dq_kernel``: the window's dQ of one window tile into a float32 buffer, which the
   selection's dQ pass adds to its own, and the window's delta = rowsum(dO * O).
 - ``window_dkv_kernel``: one program per (key tile, kv head, batch z); the window is a
@@ -102,10 +103,13 @@ def window_forward(
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     M, Q_START, N, HQ, scale2,
+    GATES, OUT_C, OUT_S, MERGED, stride_gk, stride_gz, stride_gh, stride_gn,
     SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``."""
+    """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``; with
+    GATED also the layer's gated sum of those rows (``_store_gated_sum``)."""
     r, heads, row_ok = _window_rows(tile, first_head, M, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
     i = Q_START + r
     offs_n = tl.arange(0, WINDOW_N)
@@ -128,7 +132,34 @@ def window_forward(
         )
     out_rows = dense_rows(z, heads, r, HQ, M, D)
     lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
-    store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
+    out = store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
+    if GATED:
+        _store_gated_sum(MERGED, GATES, OUT_C, OUT_S, out, out_rows, z, heads, r, row_ok, offs_d, d_ok, M, HQ, D,
+                         stride_gk, stride_gz, stride_gh, stride_gn)
+
+
+@triton.jit
+def _store_gated_sum(
+    MERGED, GATES, OUT_C, OUT_S, sliding, out_rows, z, heads, r, row_ok, offs_d, d_ok, M, HQ, D: tl.constexpr,
+    stride_gk, stride_gz, stride_gh, stride_gn,
+):
+    """The layer's gated sum of the rows ``[z, heads, r]``, heads merged:
+    ``MERGED[z, r, h * D + d] = sum_k GATES[k, z, h, r] * branch_k[z, h, r, d]`` over the
+    compressed (OUT_C), selected (OUT_S) and sliding (``sliding``, as stored) branches, in
+    float32 and in the order of ``kernels/gate_combine.py``'s kernel, which it replaces
+    in the layer: a pass of its own over the three outputs, bound by memory bandwidth.
+    OUT_C and OUT_S are contiguous [Z, HQ, M, D], written by earlier launches.
+    """
+    gate_rows = head_offset(z, heads, stride_gz, stride_gh) + r.to(tl.int64) * stride_gn
+    gate_c = tl.load(GATES + gate_rows, mask=row_ok).to(tl.float32)
+    gate_s = tl.load(GATES + gate_rows + stride_gk, mask=row_ok).to(tl.float32)
+    gate_w = tl.load(GATES + gate_rows + 2 * stride_gk, mask=row_ok).to(tl.float32)
+    merged = (gate_c[:, None] * load_tile(OUT_C, out_rows, row_ok, offs_d, d_ok, 1).to(tl.float32)
+              + gate_s[:, None] * load_tile(OUT_S, out_rows, row_ok, offs_d, d_ok, 1).to(tl.float32)
+              + gate_w[:, None] * sliding.to(tl.float32))
+    merged_rows = ((z.to(tl.int64) * M + r) * HQ + heads) * D
+    tl.store(MERGED + merged_rows[:, None] + offs_d[None, :], merged.to(MERGED.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
