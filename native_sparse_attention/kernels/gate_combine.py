@@ -236,11 +236,13 @@ def gated_sum(gates: torch.Tensor, compressed: torch.Tensor, selected: torch.Ten
     return _GatedSum.apply(gates, *branches)
 
 
-def _folded_lse(lse: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``lse - log(gate)``: +inf (every P = 0) where the gate is 0, so that no row turns
-    into NaN, also where lse is -inf (a row without keys). Contiguous like ``lse``, as
-    the kernels index it, whatever the strides of the gate's view."""
-    return torch.where(gate > 0, lse - gate.float().log(), float("inf")).contiguous()
+def _folded_lses(gates: torch.Tensor, *lses: torch.Tensor) -> torch.Tensor:
+    """``lse_k - log(gate_k)`` of the three branches, [3, b, h, n] float32: +inf (every
+    P = 0) where the gate is 0, so that no row turns into NaN, also where lse is -inf (a
+    row without keys). Each branch's slice is contiguous like its lse, as the kernels
+    index it, whatever the strides of the gates' view. One expression for the three
+    branches: one fused kernel when compiled, a few launches fewer in eager steps."""
+    return torch.where(gates > 0, torch.stack(lses) - gates.float().log(), float("inf")).contiguous()
 
 
 class _GatedBranches(torch.autograd.Function):
@@ -273,13 +275,12 @@ class _GatedBranches(torch.autograd.Function):
         # TMA descriptors, and the selection's dK / dV pass has an offset path for this
         # layout, so no heads-major copy is made.
         d_out = rearrange(d_merged, "b n (h d) -> b h n d", h=heads)
-        gate_c, gate_s, gate_w = gates
+        folded_c, folded_s, folded_w = _folded_lses(gates, lse_c, lse_s, lse_w)
         dq, dck, dcv, dgate_c = compressed_kernels._attend_and_select_backward(
-            d_out, None, q, ck, cv, out_c, _folded_lse(lse_c, gate_c), indices, mask, *compressed_options
+            d_out, None, q, ck, cv, out_c, folded_c, indices, mask, *compressed_options
         )
         drq, drk, dv, _, dgate_s, dgate_w = selection_kernels._launch_backward(
-            rq, rk, v, indices, mask, None, out_s, _folded_lse(lse_s, gate_s), out_w, _folded_lse(lse_w, gate_w),
-            d_out, d_out, *selection_options,
+            rq, rk, v, indices, mask, None, out_s, folded_s, out_w, folded_w, d_out, d_out, *selection_options,
         )
         dgates = torch.stack((dgate_c, dgate_s, dgate_w)).to(gates.dtype)
         return dgates, dq, dck, dcv, drq, drk, dv, None, None
