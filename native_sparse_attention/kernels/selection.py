@@ -54,7 +54,10 @@ positions per program, one warp each through a batched [positions, ROWS, D] dot,
 - ``_dq_kernel``: recomputes P per tile; dQ stays in registers (the program owns all of
   its query's keys, so no atomics), dsel_scale is reduced per slot, and delta =
   rowsum(dO * O) is stored for the key side. With SLIDING it adds the window's dQ, which
-  ``window_dq_kernel`` has left in a float32 buffer.
+  ``window_dq_kernel`` has left in a buffer of the input dtype. (A float32 buffer, twice
+  the bytes to write and read, kept one rounding fewer but cost 0.17-0.2 ms more at the
+  layer benchmark's n = 65536 on an H100; the compressed branch's dQ reaches the sum of
+  the branches rounded to the input dtype as well.)
 
 Key side: a key block is selected by arbitrary queries, so no query-side program owns
 its dK / dV. Adding them atomically from the query side costs one float32 atomic per
@@ -252,8 +255,8 @@ def _fwd_kernel(
     else:
         _selection_forward(
             Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, pid - NUM_WINDOW_TILES, z, sel_head, kv_head, first_head,
-            *strides, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS, ROWS,
-            D, D_PAD, CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
+            *strides, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS,
+            ROWS, D, D_PAD, CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
         )
 
 
@@ -275,7 +278,7 @@ def _dq_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """dQ, dsel_scale and delta of the selection for query position ``program_id(0)``;
-    with SLIDING, dQ also gets the window's part from the float32 buffer DQ_WINDOW."""
+    with SLIDING, dQ also gets the window's part from the buffer DQ_WINDOW."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
     i = tl.program_id(0)
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
@@ -843,7 +846,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     sel_idx, sel_mask, sel_scale_arg = _selection_operands(indices, fmask, sel_scale, lse)
     dq_window = lse
     if sliding:
-        dq_window = _empty((b, hq, n, d), torch.float32, q.device)
+        dq_window = _empty((b, hq, n, d), q.dtype, q.device)
         window_dq_kernel[(problem.num_window_tiles(for_dq=True), hs, b)](
             q, k, v, swa_out, d_swa_out, swa_lse, swa_delta, dq_window,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),

@@ -20,7 +20,7 @@ times as often.
 - ``window_forward``: one window tile's online softmax; the selection's ``_fwd_kernel``
   calls it from its first programs. In a launch of its own, after the selection's, it
   can also write the layer's gated sum of the three branches for its rows.
-- ``window_dq_kernel``: the window's dQ of one window tile into a float32 buffer, which the
+- ``window_dq_kernel``: the window's dQ of one window tile into a buffer, which the
   selection's dQ pass adds to its own, and the window's delta = rowsum(dO * O).
 - ``window_dkv_kernel``: one program per (key tile, kv head, batch z); the window is a
   band, so the queries that see a key tile are known and dK / dV of the window are
@@ -174,7 +174,7 @@ def window_dq_kernel(
     WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """The window's dQ (float32, into DQ_WINDOW) and delta of window tile ``program_id(0)``."""
+    """The window's dQ (into DQ_WINDOW, in its dtype) and delta of window tile ``program_id(0)``."""
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     tile = tl.program_id(0)
     i, heads, row_ok = _window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
@@ -196,7 +196,8 @@ def window_dq_kernel(
             q, do, lse2, delta, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
             key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, sm_scale * LOG2E, sm_scale, dq, DOT_PRECISION,
         )
-    tl.store(DQ_WINDOW + out_rows[:, None] + offs_d[None, :], dq, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(DQ_WINDOW + out_rows[:, None] + offs_d[None, :], dq.to(DQ_WINDOW.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
