@@ -51,19 +51,12 @@ def load_tile(base, row_offsets, row_ok, offs_d, d_ok, stride_d):
 
 
 @triton.jit
-def softmax_tile(
-    q, k_cols, v_cols, pos, visible, kv_mask, stride_kn, stride_vn, logit_scale, m_i, l_i, acc,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax step of a [ROWS, D_PAD] query tile over the keys at ``pos``.
+def softmax_tile(q, k, v, visible, logit_scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of a [ROWS, D_PAD] query tile over a [KEYS, D_PAD] tile of
+    keys ``k`` and values ``v``.
 
-    ``k_cols``, ``v_cols``: [1, D_PAD] pointers to the head's first key / value row;
-    ``visible``: [ROWS or 1, len(pos)]; ``kv_mask``: [len(pos), D_PAD]; ``logit_scale``
-    turns q.k into base-2 logits.
+    ``visible``: [ROWS or 1, KEYS]; ``logit_scale`` turns q.k into base-2 logits.
     """
-    rows = pos.to(tl.int64)[:, None]
-    k = tl.load(k_cols + rows * stride_kn, mask=kv_mask, other=0.0)
-    v = tl.load(v_cols + rows * stride_vn, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * logit_scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -97,20 +90,14 @@ def load_lse2(LSE, offsets, ok):
 
 
 @triton.jit
-def dq_tile(
-    q, do, lse2, delta, k_cols, v_cols, pos, visible, kv_mask, stride_kn, stride_vn, logit_scale, ds_scale, dq,
-    DOT_PRECISION: tl.constexpr,
-):
-    """dQ of a [ROWS, D_PAD] query tile through the keys at ``pos``.
+def dq_tile(q, do, lse2, delta, k, v, visible, logit_scale, ds_scale, dq, DOT_PRECISION: tl.constexpr):
+    """dQ of a [ROWS, D_PAD] query tile through a [KEYS, D_PAD] tile of keys ``k`` and
+    values ``v``.
 
-    ``k_cols``, ``v_cols``: [1, D_PAD] pointers to the head's first key / value row;
-    ``visible``: [ROWS or 1, len(pos)]; ``logit_scale`` turns q.k into base-2 logits,
+    ``visible``: [ROWS or 1, KEYS]; ``logit_scale`` turns q.k into base-2 logits,
     ``ds_scale`` is d(logit)/d(q.k). Returns the updated dQ accumulator and
     sum(dL/dlogit * q.k), the tile's dL/d(multiplier) up to the factor sm_scale.
     """
-    rows = pos.to(tl.int64)[:, None]
-    k = tl.load(k_cols + rows * stride_kn, mask=kv_mask, other=0.0)
-    v = tl.load(v_cols + rows * stride_vn, mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     p = tl.where(visible, tl.exp2(qk * logit_scale - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -131,15 +118,13 @@ def store_delta(DELTA, O, do, out_rows, lse_rows, row_ok, offs_d, d_ok):
 
 @triton.jit
 def backward_rows(
-    Q, O, DO, LSE, DELTA, K, V, z, heads, i, row_ok, kv_head,
+    Q, O, DO, LSE, DELTA, z, heads, i, row_ok,
     stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
     stride_doz, stride_doh, stride_don, stride_dod,
     N, HQ, D: tl.constexpr, D_PAD: tl.constexpr,
 ):
     """Query-side state of a backward program's rows ``[z, heads, i]``: q, dO, delta (also
-    stored), base-2 LSE, [1, D_PAD] pointers to the kv head's first key / value row, and
-    the rows' offsets in the dense [Z, HQ, N, D] outputs."""
+    stored), base-2 LSE and the rows' offsets in the dense [Z, HQ, N, D] outputs."""
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     out_rows = dense_rows(z, heads, i, HQ, N, D)
@@ -149,9 +134,7 @@ def backward_rows(
                    stride_dod)
     delta = store_delta(DELTA, O, do, out_rows, lse_rows, row_ok, offs_d, d_ok)
     lse2 = load_lse2(LSE, lse_rows, row_ok)
-    k_cols = K + head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
-    v_cols = V + head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
-    return q, do, delta, lse2, k_cols, v_cols, out_rows
+    return q, do, delta, lse2, out_rows
 
 
 @triton.jit

@@ -82,6 +82,16 @@ labels every entry with its key, a stable sort groups them), and
 
 With a window, ``window_dkv_kernel`` then adds these float32 accumulators to the window's
 dK / dV and writes both in the input dtype; without one, the host casts them.
+
+The forward, dQ and window kernels load their key and value tiles through TMA tensor
+descriptors, which need no address arithmetic or load masks and write the tiles straight
+to shared memory, where the dots read them: at 32 heads on 2 kv heads, d = 64, window
+512, bf16 on an H100, n = 65536 (8192), the selection's forward took 4.17 -> 4.11 ms
+(0.469 -> 0.441), its dQ pass 4.47 -> 4.37 ms (0.579 -> 0.52, see
+``default_launch_config``), the window's forward 1.00 -> 0.93 ms (0.130 -> 0.123) and
+its dQ 1.07 -> 0.96 ms (0.143 -> 0.128). The dK / dV passes gather rows of arbitrary
+queries and keep pointers; the window's, which reads its steps' q and dO rows as
+[positions, heads, D] boxes, ran 1.60 -> 1.65 ms with TMA.
 """
 
 from __future__ import annotations
@@ -107,7 +117,7 @@ from native_sparse_attention.kernels.attention_tiles import (
     strided_rows,
 )
 from native_sparse_attention.kernels.library import (
-    dot_precision, head_offset, launcher_op, position_in_memory, start_position,
+    dot_precision, launcher_op, position_in_memory, row_tiles, start_position,
 )
 from native_sparse_attention.kernels.sliding_window import window_dkv_kernel, window_dq_kernel, window_forward
 
@@ -162,12 +172,18 @@ def _pick(values, sets, s):
 
 
 @triton.jit
-def _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr):
-    """Positions, validity and logit multiplier of the t-th FINE_N-key tile of the key sets."""
+def _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE: tl.constexpr,
+              FINE_N: tl.constexpr, D_PAD: tl.constexpr):
+    """The t-th FINE_N-key tile of the key sets: its keys and values (through the TMA
+    descriptors K_TILES, V_TILES of [Z, HKV, N, D]; a masked set's negative positions and
+    those past N read as zeros), their validity and the set's logit multiplier."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
     s = t // TILES_PER_BLOCK
-    pos = _pick(blocks, sets, s) * BLOCK_SIZE + (t % TILES_PER_BLOCK) * FINE_N + offs_n
-    return pos, (pos >= 0) & (pos < key_end), _pick(multipliers, sets, s)
+    start = _pick(blocks, sets, s) * BLOCK_SIZE + (t % TILES_PER_BLOCK) * FINE_N
+    pos = start + offs_n
+    k = K_TILES.load([z, kv_head, start, 0]).reshape(FINE_N, D_PAD)
+    v = V_TILES.load([z, kv_head, start, 0]).reshape(FINE_N, D_PAD)
+    return k, v, (pos >= 0) & (pos < key_end), _pick(multipliers, sets, s)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -175,17 +191,16 @@ def _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE: tl.cons
 
 @triton.jit
 def _selection_forward(
-    Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, r, z, sel_head, kv_head, first_head,
+    Q, K_TILES, V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, r, z, sel_head, kv_head, first_head,
     stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
     M, Q_START, N, HQ, HS, scale2,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Selected attention of query row ``r`` (position ``Q_START + r``) for the program's
-    ROWS query heads."""
+    ROWS query heads; K_TILES, V_TILES: TMA descriptors of [FINE_N, D_PAD] key and value
+    tiles."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
     i = Q_START + r
     rows = tl.arange(0, ROWS)
@@ -195,8 +210,6 @@ def _selection_forward(
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     q = load_tile(Q, strided_rows(z, heads, r, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
-    k_cols = K + head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
-    v_cols = V + head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
     sel_row = ((z.to(tl.int64) * HS + sel_head) * M + r) * SEL
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -207,11 +220,9 @@ def _selection_forward(
     sets = tl.arange(0, SETS_PAD)
     key_end = i + 1 if CAUSAL else N
     for t in range(0, NUM_SETS * TILES_PER_BLOCK):
-        pos, key_ok, multiplier = _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE, FINE_N)
-        m_i, l_i, acc = softmax_tile(
-            q, k_cols, v_cols, pos, key_ok[None, :], key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn,
-            scale2 * multiplier, m_i, l_i, acc, DOT_PRECISION,
-        )
+        k, v, key_ok, multiplier = _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, sets, t, offs_n,
+                                             key_end, BLOCK_SIZE, FINE_N, D_PAD)
+        m_i, l_i, acc = softmax_tile(q, k, v, key_ok[None, :], scale2 * multiplier, m_i, l_i, acc, DOT_PRECISION)
     out_rows = dense_rows(z, heads, r, HQ, M, D)
     lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
     store_attention(O, LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
@@ -221,10 +232,9 @@ def _selection_forward(
 # per divisibility by 16 (and for the value 1) of each; no address here gains from it.
 @triton.jit(do_not_specialize=("M", "Q_START", "N"))
 def _fwd_kernel(
-    Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, SWA_O, SWA_LSE, GATES, OUT_C, MERGED,
+    Q, K_TILES, V_TILES, WINDOW_K_TILES, WINDOW_V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, SWA_O, SWA_LSE,
+    GATES, OUT_C, MERGED,
     stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
     stride_gk, stride_gz, stride_gh, stride_gn,
     M, Q_START, Q_START_PTR, N, HQ, HS, NUM_WINDOW_TILES, sm_scale,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
@@ -234,8 +244,10 @@ def _fwd_kernel(
     SLIDING: tl.constexpr, WINDOW: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr,
     WINDOW_N: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
 ):
-    """Programs [0, NUM_WINDOW_TILES) of axis 0 run window tiles (only with SLIDING), the
-    others query row ``program_id(0) - NUM_WINDOW_TILES`` of the selection. GATED (a
+    """Programs [0, NUM_WINDOW_TILES) of axis 0 run window tiles (only with SLIDING: they
+    read the keys and values through the TMA descriptors WINDOW_K_TILES and
+    WINDOW_V_TILES), the others query row ``program_id(0) - NUM_WINDOW_TILES`` of the
+    selection (through K_TILES and V_TILES, of FINE_N-key tiles). GATED (a
     launch of window tiles alone, after the selection's): the window tiles also write the
     layer's gated sum MERGED [Z, M, HQ * D] from GATES [3, Z, HQ, M] (any strides), the
     compressed branch's OUT_C and the selection's O (``window_forward``)."""
@@ -243,19 +255,18 @@ def _fwd_kernel(
     pid = tl.program_id(0)
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     scale2 = sm_scale * LOG2E
-    strides = (stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kn, stride_kd,
-               stride_vz, stride_vh, stride_vn, stride_vd)
     if pid < NUM_WINDOW_TILES:
         if SLIDING:
             window_forward(
-                Q, K, V, SWA_O, SWA_LSE, pid, z, kv_head, first_head, *strides, M, Q_START, N, HQ, scale2,
+                Q, WINDOW_K_TILES, WINDOW_V_TILES, SWA_O, SWA_LSE, pid, z, kv_head, first_head,
+                stride_qz, stride_qh, stride_qn, stride_qd, M, Q_START, N, HQ, scale2,
                 GATES, OUT_C, O, MERGED, stride_gk, stride_gz, stride_gh, stride_gn,
                 SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS, WINDOW_N, D, D_PAD, CAUSAL, WINDOW, GATED, DOT_PRECISION,
             )
     else:
         _selection_forward(
-            Q, K, V, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, pid - NUM_WINDOW_TILES, z, sel_head, kv_head, first_head,
-            *strides, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS,
+            Q, K_TILES, V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, pid - NUM_WINDOW_TILES, z, sel_head, kv_head,
+            first_head, stride_qz, stride_qh, stride_qn, stride_qd, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS,
             ROWS, D, D_PAD, CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
         )
 
@@ -265,10 +276,8 @@ def _fwd_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, O, DO, LSE, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DELTA, DQ_WINDOW,
+    Q, K_TILES, V_TILES, O, DO, LSE, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DELTA, DQ_WINDOW,
     stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
     stride_doz, stride_doh, stride_don, stride_dod,
     N, HQ, HS, sm_scale,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
@@ -278,7 +287,8 @@ def _dq_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """dQ, dsel_scale and delta of the selection for query position ``program_id(0)``;
-    with SLIDING, dQ also gets the window's part from the buffer DQ_WINDOW."""
+    with SLIDING, dQ also gets the window's part from the buffer DQ_WINDOW. K_TILES,
+    V_TILES: TMA descriptors of [FINE_N, D_PAD] key and value tiles."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
     i = tl.program_id(0)
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
@@ -288,9 +298,8 @@ def _dq_kernel(
     offs_n = tl.arange(0, FINE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q, do, delta, lse2, k_cols, v_cols, out_rows = backward_rows(
-        Q, O, DO, LSE, DELTA, K, V, z, heads, i, row_ok, kv_head,
-        stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
+    q, do, delta, lse2, out_rows = backward_rows(
+        Q, O, DO, LSE, DELTA, z, heads, i, row_ok, stride_qz, stride_qh, stride_qn, stride_qd,
         stride_doz, stride_doh, stride_don, stride_dod, N, HQ, D, D_PAD,
     )
     sel_row = ((z.to(tl.int64) * HS + sel_head) * N + i) * SEL
@@ -303,11 +312,10 @@ def _dq_kernel(
     dsel = tl.zeros([SETS_PAD], tl.float32)
     key_end = i + 1 if CAUSAL else N
     for t in range(0, NUM_SETS * TILES_PER_BLOCK):
-        pos, key_ok, multiplier = _set_tile(blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE, FINE_N)
-        dq, dmult = dq_tile(
-            q, do, lse2, delta, k_cols, v_cols, pos, key_ok[None, :], key_ok[:, None] & d_ok[None, :], stride_kn,
-            stride_vn, scale2 * multiplier, sm_scale * multiplier, dq, DOT_PRECISION,
-        )
+        k, v, key_ok, multiplier = _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, sets, t, offs_n,
+                                             key_end, BLOCK_SIZE, FINE_N, D_PAD)
+        dq, dmult = dq_tile(q, do, lse2, delta, k, v, key_ok[None, :], scale2 * multiplier, sm_scale * multiplier, dq,
+                            DOT_PRECISION)
         dsel += tl.where(sets == t // TILES_PER_BLOCK, dmult, 0.0)
     if HAS_SEL_SCALE:
         slot = sets - (NUM_SETS - SEL)
@@ -541,13 +549,17 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     32-key steps, what one warp holds; 5.13 ms with the window in a launch of its own,
     128-row tiles of 64-key steps, eight warps and three stages, the fastest of the
     shapes from 32 to 256 rows, 32 to 128 keys and 1 to 8 warps), dQ 4.88 -> 4.52 ms
-    (16-key steps, three stages), the window's dK / dV 2.17 -> 2.09 ms (three stages),
+    (16-key steps, three stages, loads through pointers; 4.37 ms once its key and value
+    tiles came through TMA descriptors, in 64-key steps: 16-key ones took 4.97 ms, 32-key
+    ones 4.37 ms, but 0.535 against 0.52 ms at n = 8192, and four stages 5.1 ms), the
+    window's dK / dV 2.17 -> 2.09 ms (three stages),
     then 1.97 ms in 32-row steps of four stages (at d = 128, n = 32768: 1.80 -> 1.42 ms;
     32-row steps pay only in four stages, and 128-key tiles or a mask skipped in the
     band's inner tiles did not), 1.79 ms once a step's rows span the group's heads
     (64-row steps ran as fast, eight warps 2x slower). The window's dQ keeps 64-row
     tiles of 64 keys in four warps and two stages (1.07 ms; 128 rows in eight warps
-    1.17 ms, three stages 1.10 ms). The selection's dK / dV pass prefers short steps: 16
+    1.17 ms, three stages 1.10 ms; with TMA descriptors 0.96 ms, and again the fastest of
+    32 to 128 rows and keys, four or eight warps, two or three stages). The selection's dK / dV pass prefers short steps: 16
     rows, except that groups of more than 8 heads (one entry per 16 rows) take two
     entries per step (5.47 -> 4.97 ms at 32 heads, n = 65536). At
     d = 128 the dK / dV pass takes a third stage (config A at 32k: 6.70 -> 6.52 ms), the
@@ -569,7 +581,7 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
         if head_dim <= 64:
             return LaunchConfig(
                 fwd_warps=1, window_rows=128, window_n=64, window_fwd_warps=8, window_fwd_stages=3, dq_warps=1,
-                dq_fine_n=16, dq_stages=3, dkv_rows=dkv_rows, window_block_m=32, window_stages=4,
+                dq_stages=3, dkv_rows=dkv_rows, window_block_m=32, window_stages=4,
             )
         return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3, window_block_m=32, window_stages=4)
     window_steps = dict(window_block_n=32, window_block_m=32)
@@ -694,6 +706,11 @@ class _Problem:
         return triton.cdiv(self.seq_len, self.block_size)
 
 
+def _key_tiles(k: torch.Tensor, v: torch.Tensor, rows: int, d: int):
+    """TMA descriptors of [rows, D_PAD] tiles of the keys and values ([b, hk, n, d])."""
+    return tuple(row_tiles(t, rows, _padded_head_dim(d)) for t in (k, v))
+
+
 def _selection_operands(indices, fmask, sel_scale, fallback: torch.Tensor):
     """Contiguous selection tensors; an empty selection is replaced by a valid dummy pointer
     (the kernels never read it)."""
@@ -740,13 +757,21 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
     config = problem.config
     start, start_ptr, in_memory = position_in_memory(problem.q_offset if position is None else position, lse)
 
+    key_tiles = _key_tiles(k, v, problem.fine_n, d)
+
     def launch(window_tiles: int, positions: int, num_warps: int, num_stages: int) -> None:
-        window = problem.window_constexprs(for_dq=False) if window_tiles else dict(WINDOW=0, HEADS_PAD=1,
-                                                                                   WINDOW_ROWS=1, WINDOW_N=1)
+        window_key_tiles = key_tiles  # never read without window tiles: any valid descriptors do
+        if window_tiles:
+            window = problem.window_constexprs(for_dq=False)
+            if window["WINDOW_N"] != problem.fine_n:
+                window_key_tiles = _key_tiles(k, v, window["WINDOW_N"], d)
+        else:
+            window = dict(WINDOW=0, HEADS_PAD=1, WINDOW_ROWS=1, WINDOW_N=1)
         _fwd_kernel[(window_tiles + positions, problem.selection_heads, b)](
-            q, k, v, sel_idx, sel_mask, sel_scale, out, lse, swa_out if sliding else out, swa_lse if sliding else lse,
+            q, *key_tiles, *window_key_tiles, sel_idx, sel_mask, sel_scale, out, lse, swa_out if sliding else out,
+            swa_lse if sliding else lse,
             gates, compressed_out, merged if gated else lse,
-            *_strides(q), *_strides(k), *_strides(v), *gate_strides,
+            *_strides(q), *gate_strides,
             n, start, start_ptr, problem.num_keys, hq, problem.selection_heads, window_tiles, problem.scale,
             **problem.constexprs,
             **window,
@@ -848,8 +873,8 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     if sliding:
         dq_window = _empty((b, hq, n, d), q.dtype, q.device)
         window_dq_kernel[(problem.num_window_tiles(for_dq=True), hs, b)](
-            q, k, v, swa_out, d_swa_out, swa_lse, swa_delta, dq_window,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),
+            q, *_key_tiles(k, v, problem.window_tile(for_dq=True)[1], d), swa_out, d_swa_out, swa_lse,
+            swa_delta, dq_window, *_strides(q), *_strides(d_swa_out),
             n, hq, problem.scale,
             SEL_SHARED_HEADS=hq // hs, GQA_SHARED_HEADS=hq // hk,
             **problem.window_constexprs(for_dq=True),
@@ -859,9 +884,9 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             num_stages=config.window_dq_stages,
         )
     _dq_kernel[problem.grid](
-        q, k, v, out, d_out, lse, sel_idx, sel_mask, sel_scale_arg, dq,
+        q, *_key_tiles(k, v, problem.dq_fine_n, d), out, d_out, lse, sel_idx, sel_mask, sel_scale_arg, dq,
         dsel if dsel is not None and dsel.numel() else lse, delta, dq_window,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
+        *_strides(q), *_strides(d_out),
         n, hq, hs, problem.scale,
         **{**problem.constexprs, "FINE_N": problem.dq_fine_n},
         SLIDING=sliding,

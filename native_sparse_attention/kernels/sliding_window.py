@@ -97,11 +97,18 @@ def _in_window(i, pos, WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _key_tiles(K_TILES, V_TILES, z, kv_head, start, WINDOW_N: tl.constexpr, D_PAD: tl.constexpr):
+    """The window's keys and values ``start .. start + WINDOW_N`` of kv head ``[z, kv_head]``
+    through TMA descriptors of [Z, HKV, N, D] (zeros past N or D)."""
+    k = K_TILES.load([z, kv_head, start, 0]).reshape(WINDOW_N, D_PAD)
+    v = V_TILES.load([z, kv_head, start, 0]).reshape(WINDOW_N, D_PAD)
+    return k, v
+
+
+@triton.jit
 def window_forward(
-    Q, K, V, SWA_O, SWA_LSE, tile, z, kv_head, first_head,
+    Q, K_TILES, V_TILES, SWA_O, SWA_LSE, tile, z, kv_head, first_head,
     stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
     M, Q_START, N, HQ, scale2,
     GATES, OUT_C, OUT_S, MERGED, stride_gk, stride_gz, stride_gh, stride_gn,
     SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr,
@@ -109,15 +116,14 @@ def window_forward(
     DOT_PRECISION: tl.constexpr,
 ):
     """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``; with
-    GATED also the layer's gated sum of those rows (``_store_gated_sum``)."""
+    GATED also the layer's gated sum of those rows (``_store_gated_sum``). K_TILES,
+    V_TILES: TMA descriptors of [WINDOW_N, D_PAD] tiles of the keys and values."""
     r, heads, row_ok = _window_rows(tile, first_head, M, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
     i = Q_START + r
     offs_n = tl.arange(0, WINDOW_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     q = load_tile(Q, strided_rows(z, heads, r, stride_qz, stride_qh, stride_qn), row_ok, offs_d, d_ok, stride_qd)
-    k_cols = K + head_offset(z, kv_head, stride_kz, stride_kh) + offs_d[None, :] * stride_kd
-    v_cols = V + head_offset(z, kv_head, stride_vz, stride_vh) + offs_d[None, :] * stride_vd
 
     m_i = tl.full([WINDOW_ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([WINDOW_ROWS], tl.float32)
@@ -125,11 +131,9 @@ def window_forward(
     first, hi = _window_keys(tile, M, Q_START, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
     for start in range(first, hi, WINDOW_N):
         pos = start + offs_n
-        key_ok = pos < hi
-        m_i, l_i, acc = softmax_tile(
-            q, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
-            key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, scale2, m_i, l_i, acc, DOT_PRECISION,
-        )
+        k, v = _key_tiles(K_TILES, V_TILES, z, kv_head, start, WINDOW_N, D_PAD)
+        visible = _in_window(i, pos, WINDOW, CAUSAL) & (pos < hi)[None, :]
+        m_i, l_i, acc = softmax_tile(q, k, v, visible, scale2, m_i, l_i, acc, DOT_PRECISION)
     out_rows = dense_rows(z, heads, r, HQ, M, D)
     lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
     out = store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
@@ -164,26 +168,24 @@ def _store_gated_sum(
 
 @triton.jit
 def window_dq_kernel(
-    Q, K, V, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, DQ_WINDOW,
+    Q, K_TILES, V_TILES, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, DQ_WINDOW,
     stride_qz, stride_qh, stride_qn, stride_qd,
-    stride_kz, stride_kh, stride_kn, stride_kd,
-    stride_vz, stride_vh, stride_vn, stride_vd,
     stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
     N, HQ, sm_scale,
     SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """The window's dQ (into DQ_WINDOW, in its dtype) and delta of window tile ``program_id(0)``."""
+    """The window's dQ (into DQ_WINDOW, in its dtype) and delta of window tile
+    ``program_id(0)``; K_TILES, V_TILES as in ``window_forward``."""
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     tile = tl.program_id(0)
     i, heads, row_ok = _window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
     offs_n = tl.arange(0, WINDOW_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
-    q, do, delta, lse2, k_cols, v_cols, out_rows = backward_rows(
-        Q, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, K, V, z, heads, i, row_ok, kv_head,
-        stride_qz, stride_qh, stride_qn, stride_qd, stride_kz, stride_kh, stride_kd, stride_vz, stride_vh, stride_vd,
+    q, do, delta, lse2, out_rows = backward_rows(
+        Q, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, z, heads, i, row_ok, stride_qz, stride_qh, stride_qn, stride_qd,
         stride_sdoz, stride_sdoh, stride_sdon, stride_sdod, N, HQ, D, D_PAD,
     )
 
@@ -191,11 +193,9 @@ def window_dq_kernel(
     first, hi = _window_keys(tile, N, 0, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
     for start in range(first, hi, WINDOW_N):
         pos = start + offs_n
-        key_ok = pos < hi
-        dq, _ = dq_tile(
-            q, do, lse2, delta, k_cols, v_cols, pos, _in_window(i, pos, WINDOW, CAUSAL) & key_ok[None, :],
-            key_ok[:, None] & d_ok[None, :], stride_kn, stride_vn, sm_scale * LOG2E, sm_scale, dq, DOT_PRECISION,
-        )
+        k, v = _key_tiles(K_TILES, V_TILES, z, kv_head, start, WINDOW_N, D_PAD)
+        visible = _in_window(i, pos, WINDOW, CAUSAL) & (pos < hi)[None, :]
+        dq, _ = dq_tile(q, do, lse2, delta, k, v, visible, sm_scale * LOG2E, sm_scale, dq, DOT_PRECISION)
     tl.store(DQ_WINDOW + out_rows[:, None] + offs_d[None, :], dq.to(DQ_WINDOW.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
