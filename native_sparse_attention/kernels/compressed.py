@@ -768,8 +768,12 @@ class _Launch:
 # Per kernel on CUDA: the fastest of a few tile shapes timed on an H100 at the layer
 # benchmark's configuration (n = 65536, 32 query heads on 2 kv heads, d = 64, bf16).
 _CUDA_LAUNCH = {
-    "forward": _Launch(128, 64, 8, 3),
-    "backward_dq": _Launch(64, 64, 4, 3),
+    # The forward's 64 x 64 tiles in four warps and two stages (against 128 x 64 in
+    # eight warps and three) and dQ's two stages (against three) ran as fast at
+    # n = 65536 and faster at 8192 and 16384: forward 0.076 -> 0.069 ms, 0.217 -> 0.207;
+    # dQ 0.094 -> 0.088 ms, 0.240 -> 0.230 (2.73 -> 2.71 at 65536).
+    "forward": _Launch(64, 64, 4, 2),
+    "backward_dq": _Launch(64, 64, 4, 2),
     # 32-row steps: with 64 the kernel needs more than the 255 registers a thread has and
     # spills (26 ms instead of 4.9 at n = 65536 once the query splits added a few live
     # values; 5.8 before them, already spilling). Eight warps, whose accumulators fit
