@@ -266,8 +266,8 @@ def _fwd_kernel(
     else:
         _selection_forward(
             Q, K_TILES, V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, pid - NUM_WINDOW_TILES, z, sel_head, kv_head,
-            first_head, stride_qz, stride_qh, stride_qn, stride_qd, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS,
-            ROWS, D, D_PAD, CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
+            first_head, stride_qz, stride_qh, stride_qn, stride_qd, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS,
+            SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS, ROWS, D, D_PAD, CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
         )
 
 
@@ -552,16 +552,16 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     (16-key steps, three stages, loads through pointers; 4.37 ms once its key and value
     tiles came through TMA descriptors, in 64-key steps: 16-key ones took 4.97 ms, 32-key
     ones 4.37 ms, but 0.535 against 0.52 ms at n = 8192, and four stages 5.1 ms), the
-    window's dK / dV 2.17 -> 2.09 ms (three stages),
-    then 1.97 ms in 32-row steps of four stages (at d = 128, n = 32768: 1.80 -> 1.42 ms;
-    32-row steps pay only in four stages, and 128-key tiles or a mask skipped in the
-    band's inner tiles did not), 1.79 ms once a step's rows span the group's heads
-    (64-row steps ran as fast, eight warps 2x slower). The window's dQ keeps 64-row
-    tiles of 64 keys in four warps and two stages (1.07 ms; 128 rows in eight warps
-    1.17 ms, three stages 1.10 ms; with TMA descriptors 0.96 ms, and again the fastest of
-    32 to 128 rows and keys, four or eight warps, two or three stages). The selection's dK / dV pass prefers short steps: 16
-    rows, except that groups of more than 8 heads (one entry per 16 rows) take two
-    entries per step (5.47 -> 4.97 ms at 32 heads, n = 65536). At
+    window's dK / dV 2.17 -> 2.09 ms (three stages), then 1.97 ms in 32-row steps of four
+    stages (at d = 128, n = 32768: 1.80 -> 1.42 ms; 32-row steps pay only in four stages,
+    and 128-key tiles or a mask skipped in the band's inner tiles did not), 1.79 ms once a
+    step's rows span the group's heads (64-row steps ran as fast, eight warps 2x slower).
+    The window's dQ keeps 64-row tiles of 64 keys in four warps and two stages (1.07 ms;
+    128 rows in eight warps 1.17 ms, three stages 1.10 ms; with TMA descriptors 0.96 ms,
+    again the fastest of 32 to 128 rows and keys, four or eight warps, two or three
+    stages). The selection's dK / dV pass prefers short steps: 16 rows, except that
+    groups of more than 8 heads (one entry per 16 rows) take two entries per step
+    (5.47 -> 4.97 ms at 32 heads, n = 65536). At
     d = 128 the dK / dV pass takes a third stage (config A at 32k: 6.70 -> 6.52 ms), the
     forward one only when the launch also runs window tiles, which stay in its launch
     there (launches of their own, 4 or 8 warps, ran 2.5%-20% slower at n = 32768).
