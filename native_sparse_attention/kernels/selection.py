@@ -706,9 +706,18 @@ class _Problem:
         return triton.cdiv(self.seq_len, self.block_size)
 
 
-def _key_tiles(k: torch.Tensor, v: torch.Tensor, rows: int, d: int):
-    """TMA descriptors of [rows, D_PAD] tiles of the keys and values ([b, hk, n, d])."""
-    return tuple(row_tiles(t, rows, _padded_head_dim(d)) for t in (k, v))
+def _key_tiles(k: torch.Tensor, v: torch.Tensor, d: int):
+    """``tiles(rows)``: the TMA descriptors of [rows, D_PAD] tiles of the keys and values
+    ([b, hk, n, d]), built once per tile height (with the layer's defaults the selection's
+    and the window's tiles share them)."""
+    built = {}
+
+    def tiles(rows: int):
+        if rows not in built:
+            built[rows] = tuple(row_tiles(t, rows, _padded_head_dim(d)) for t in (k, v))
+        return built[rows]
+
+    return tiles
 
 
 def _selection_operands(indices, fmask, sel_scale, fallback: torch.Tensor):
@@ -757,19 +766,18 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
     config = problem.config
     start, start_ptr, in_memory = position_in_memory(problem.q_offset if position is None else position, lse)
 
-    key_tiles = _key_tiles(k, v, problem.fine_n, d)
+    key_tiles = _key_tiles(k, v, d)
 
     def launch(window_tiles: int, positions: int, num_warps: int, num_stages: int) -> None:
-        window_key_tiles = key_tiles  # never read without window tiles: any valid descriptors do
         if window_tiles:
             window = problem.window_constexprs(for_dq=False)
-            if window["WINDOW_N"] != problem.fine_n:
-                window_key_tiles = _key_tiles(k, v, window["WINDOW_N"], d)
+            window_key_tiles = key_tiles(window["WINDOW_N"])
         else:
             window = dict(WINDOW=0, HEADS_PAD=1, WINDOW_ROWS=1, WINDOW_N=1)
+            window_key_tiles = key_tiles(problem.fine_n)  # never read: any valid descriptors do
         _fwd_kernel[(window_tiles + positions, problem.selection_heads, b)](
-            q, *key_tiles, *window_key_tiles, sel_idx, sel_mask, sel_scale, out, lse, swa_out if sliding else out,
-            swa_lse if sliding else lse,
+            q, *key_tiles(problem.fine_n), *window_key_tiles, sel_idx, sel_mask, sel_scale, out, lse,
+            swa_out if sliding else out, swa_lse if sliding else lse,
             gates, compressed_out, merged if gated else lse,
             *_strides(q), *gate_strides,
             n, start, start_ptr, problem.num_keys, hq, problem.selection_heads, window_tiles, problem.scale,
@@ -870,10 +878,11 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     swa_delta = _empty((b, hq, n), torch.float32, q.device) if sliding else None
     sel_idx, sel_mask, sel_scale_arg = _selection_operands(indices, fmask, sel_scale, lse)
     dq_window = lse
+    key_tiles = _key_tiles(k, v, d)
     if sliding:
         dq_window = _empty((b, hq, n, d), q.dtype, q.device)
         window_dq_kernel[(problem.num_window_tiles(for_dq=True), hs, b)](
-            q, *_key_tiles(k, v, problem.window_tile(for_dq=True)[1], d), swa_out, d_swa_out, swa_lse,
+            q, *key_tiles(problem.window_tile(for_dq=True)[1]), swa_out, d_swa_out, swa_lse,
             swa_delta, dq_window, *_strides(q), *_strides(d_swa_out),
             n, hq, problem.scale,
             SEL_SHARED_HEADS=hq // hs, GQA_SHARED_HEADS=hq // hk,
@@ -884,7 +893,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             num_stages=config.window_dq_stages,
         )
     _dq_kernel[problem.grid](
-        q, *_key_tiles(k, v, problem.dq_fine_n, d), out, d_out, lse, sel_idx, sel_mask, sel_scale_arg, dq,
+        q, *key_tiles(problem.dq_fine_n), out, d_out, lse, sel_idx, sel_mask, sel_scale_arg, dq,
         dsel if dsel is not None and dsel.numel() else lse, delta, dq_window,
         *_strides(q), *_strides(d_out),
         n, hq, hs, problem.scale,
