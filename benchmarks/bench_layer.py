@@ -16,7 +16,7 @@ Peak memory is ``torch.cuda.max_memory_allocated`` over one forward + backward, 
 from a reset after the layer, its input and the output gradient are allocated.
 
     python benchmarks/bench_layer.py                 # table + docs/benchmarks.md "layer"
-    python benchmarks/bench_layer.py --profile 65536 --profile-out prof.txt
+    python benchmarks/bench_layer.py --profile 8192 65536 --profile-out prof.txt
 """
 
 from __future__ import annotations
@@ -121,10 +121,14 @@ def graphed_ms(step) -> float:
     return median_ms(graph.replay)
 
 
-def compiled_ms(kind: str, n: int) -> float | None:
+def compiled_step(kind: str, n: int, profiled_steps: int = 0) -> tuple[float | None, dict[str, float]]:
     """Median time of forward + backward through ``torch.compile(layer, fullgraph=True,
-    mode="reduce-overhead")``: one graph each way, replayed from CUDA graphs once warm;
-    None when out of memory."""
+    mode="reduce-overhead")`` (one graph each way, replayed from CUDA graphs once warm)
+    and, over ``profiled_steps`` more steps under torch.profiler, the CUDA time per step
+    of each kernel name (ms); (None, {}) when out of memory."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
     layer = x = grad_out = None
     try:
         layer, x, grad_out = inputs(kind, n)
@@ -137,9 +141,19 @@ def compiled_ms(kind: str, n: int) -> float | None:
 
         for _ in range(3):  # compile, warm up, record
             step()
-        return median_ms(step)
+        ms = median_ms(step)
+        kernels: dict[str, float] = {}
+        if profiled_steps:
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(profiled_steps):
+                    step()
+                torch.cuda.synchronize()
+            for event in prof.key_averages():
+                if event.device_time_total > 0:
+                    kernels[event.key] = event.device_time_total / 1e3 / profiled_steps
+        return ms, kernels
     except torch.OutOfMemoryError:
-        return None
+        return None, {}
     finally:
         del layer, x, grad_out
         torch._dynamo.reset()
@@ -147,43 +161,49 @@ def compiled_ms(kind: str, n: int) -> float | None:
         torch.cuda.empty_cache()
 
 
-def profile(n: int, path: Path | None) -> str:
-    """CUDA kernel times of one NSA forward + backward at length n, grouped and in full."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+PROFILED_STEPS = 5
 
-    layer, x, grad_out = inputs("nsa", n)
-    _, forward_backward = step_fns(layer, x, grad_out)
-    for _ in range(2):
-        forward_backward()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        forward_backward()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total_us = sum(e.device_time_total for e in events)
-    groups: dict[str, float] = {}
-    for event in events:
-        group = _kernel_group(event.key)
-        groups[group] = groups.get(group, 0.0) + event.device_time_total
-    rows = [[group, f"{us / 1e3:.2f}", f"{100 * us / total_us:.0f}%"]
-            for group, us in sorted(groups.items(), key=lambda item: -item[1])]
-    top = sorted(events, key=lambda e: -e.device_time_total)[:8]
+
+def profile(columns: dict[tuple[str, int], dict[str, float]], steps: dict[tuple[str, int], float | None],
+            path: Path | None) -> str:
+    """Report of ``compiled_step``'s kernel times: per step of both layers' compiled
+    forward + backward at each profiled length (``columns[kind, n]``, step medians
+    ``steps[kind, n]``), by group; the NSA layer's largest kernels at the last length."""
+    groups = sorted({_kernel_group(name) for kernels in columns.values() for name in kernels},
+                    key=lambda group: -sum(_grouped(kernels).get(group, 0.0) for kernels in columns.values()))
+    header = ["kernels"] + [f"{'NSA' if kind == 'nsa' else 'dense'}, n = {n}" for kind, n in columns]
+    rows = [[group] + [_fmt(_grouped(kernels).get(group)) for kernels in columns.values()] for group in groups]
+    rows.append(["all kernels"] + [_fmt(sum(kernels.values()) if kernels else None) for kernels in columns.values()])
+    rows.append(["step (CUDA events, median)"] + [_fmt(steps[key]) for key in columns])
+    last = max(n for _, n in columns)
+    nsa_kernels = columns["nsa", last]
     top_rows = []
-    for e in top:
-        resources = _triton_resources(e.key)
-        top_rows.append([f"`{e.key[:60]}`", _kernel_group(e.key).split(" (")[0], f"{e.device_time_total / 1e3:.2f}",
+    for name, ms in sorted(nsa_kernels.items(), key=lambda item: -item[1])[:8]:
+        resources = _triton_resources(name)
+        top_rows.append([f"`{name[:60]}`", _kernel_group(name).split(" (")[0], f"{ms:.2f}",
                          *(("-", "-") if resources is None else resources)])
-    summary = (f"Where the NSA layer's time goes: CUDA kernel time of one fwd+bwd at n = {n}, "
-               f"{total_us / 1e3:.1f} ms in all (torch.profiler).\n\n"
-               + markdown_table(["kernels", "ms", "share"], rows) + "\n\nLargest kernels (registers per "
-               "thread and bytes spilled to local memory: the most over the Triton kernel's compiled "
-               "variants):\n\n"
+    summary = ("Where the time goes: CUDA kernel time per compiled forward + backward (torch.profiler over "
+               "five torch.compile steps, ms), by kernel group. A step's median from CUDA events, a separate "
+               "run, also holds the gaps between its kernels.\n\n"
+               + markdown_table(header, rows)
+               + f"\n\nThe NSA layer's largest kernels at n = {last} (registers per thread and bytes spilled to "
+               "local memory: the most over the Triton kernel's compiled variants):\n\n"
                + markdown_table(["kernel", "group", "ms", "registers", "spilled bytes"], top_rows))
     if path is not None:
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
-        path.write_text(summary + "\n\n" + table + "\n")
+        listing = [summary]
+        for (kind, n), kernels in columns.items():
+            listing += ["", f"{kind}, n = {n}, ms per step:"]
+            listing += [f"{ms:9.3f}  {name}" for name, ms in sorted(kernels.items(), key=lambda item: -item[1])]
+        path.write_text("\n".join(listing) + "\n")
     return summary
+
+
+def _grouped(kernels: dict[str, float]) -> dict[str, float]:
+    groups: dict[str, float] = {}
+    for name, ms in kernels.items():
+        group = _kernel_group(name)
+        groups[group] = groups.get(group, 0.0) + ms
+    return groups
 
 
 def _kernel_names(module) -> set[str]:
@@ -214,14 +234,24 @@ def _triton_resources(name: str) -> tuple[int, int] | None:
     return None
 
 
+# Kernels that invert the selection for its dK / dV pass: the package's own and the
+# sorts, searches and scans of torch.sort / torch.searchsorted / cumsum.
+_INVERSION_KERNELS = ("_entry_keys_kernel", "_chunk_position_kernel")
+_INVERSION_MARKERS = ("radix", "RadixSort", "searchsorted", "DeviceScan", "fill_reverse_indices")
+
+
 def _kernel_group(name: str) -> str:
     from native_sparse_attention.kernels import compressed, gate_combine, selection, sliding_window
 
+    if name in _INVERSION_KERNELS or any(marker in name for marker in _INVERSION_MARKERS):
+        return "selection inversion for dK / dV (sorts, searches)"
+    if any(marker in name for marker in ("cudnn", "fmha", "flash", "sdpa")):
+        return "dense attention (SDPA)"
     # The window's forward tiles run inside the selection's forward kernel, so its time
     # counts as selected attention; the window's backward kernels are its own group.
     for group, module in (
         ("compressed attention + block selection (kernels/compressed.py)", compressed),
-        ("selected attention, sliding-window forward (kernels/selection.py)", selection),
+        ("selected attention fwd + bwd, sliding-window forward (kernels/selection.py)", selection),
         ("sliding-window backward (kernels/sliding_window.py)", sliding_window),
         ("gate combination (kernels/gate_combine.py)", gate_combine),
     ):
@@ -338,8 +368,9 @@ def _targets(results: dict[int, dict[str, Measurement]]) -> list[str]:
 def main() -> None:
     parser = benchmark_arguments(__doc__)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
-    parser.add_argument("--profile", type=int, default=None, help="also profile the NSA layer at this length")
-    parser.add_argument("--profile-out", type=Path, default=None, help="file for the full profiler table")
+    parser.add_argument("--profile", type=int, nargs="+", default=None,
+                        help="also profile both layers' compiled steps at these lengths")
+    parser.add_argument("--profile-out", type=Path, default=None, help="file for every kernel's time")
     args = parser.parse_args()
     require_cuda(parser)
 
@@ -349,12 +380,19 @@ def main() -> None:
         dense, nsa = results[n]["dense"], results[n]["nsa"]
         print(f"n={n}: dense {dense}, nsa {nsa}", flush=True)
     # Compiled runs come last: run between the eager ones, they lowered the peaks measured
-    # after them (both layers', by up to 0.6 GiB).
-    for n in args.seq_lens:
-        for kind, measurement in results[n].items():
-            measurement.compiled_step_ms = compiled_ms(kind, n)
-            print(f"n={n}: {kind} torch.compile fwd+bwd {_fmt(measurement.compiled_step_ms)} ms", flush=True)
-    profile_summary = profile(args.profile, args.profile_out) if args.profile else None
+    # after them (both layers', by up to 0.6 GiB). The profiled lengths' runs also time
+    # their kernels.
+    profiled = sorted(set(args.profile or ()))
+    columns, steps = {}, {}
+    for n in sorted(set(args.seq_lens) | set(profiled)):
+        for kind in ("nsa", "dense"):
+            ms, kernels = compiled_step(kind, n, PROFILED_STEPS if n in profiled else 0)
+            if n in results:
+                results[n][kind].compiled_step_ms = ms
+            if n in profiled:
+                columns[kind, n], steps[kind, n] = kernels, ms
+            print(f"n={n}: {kind} torch.compile fwd+bwd {_fmt(ms)} ms", flush=True)
+    profile_summary = profile(columns, steps, args.profile_out) if profiled else None
     markdown = report(results, profile_summary)
     print(markdown)
     if not args.no_write:
