@@ -42,6 +42,7 @@ NSA_OPTIONS = dict(
     selection_block_size=64, num_selected_blocks=16, causal=True, use_triton_kernel=True,
 )
 SEQ_LENS = (4096, 8192, 16384, 32768, 65536)
+PROFILED_STEPS = 5  # compiled steps per profiled length (--profile)
 GIB = 2**30
 
 # The issue's measurements of the dense layer and of the popular native-sparse-attention-pytorch
@@ -161,18 +162,16 @@ def compiled_step(kind: str, n: int, profiled_steps: int = 0) -> tuple[float | N
         torch.cuda.empty_cache()
 
 
-PROFILED_STEPS = 5
-
-
 def profile(columns: dict[tuple[str, int], dict[str, float]], steps: dict[tuple[str, int], float | None],
             path: Path | None) -> str:
     """Report of ``compiled_step``'s kernel times: per step of both layers' compiled
     forward + backward at each profiled length (``columns[kind, n]``, step medians
     ``steps[kind, n]``), by group; the NSA layer's largest kernels at the last length."""
-    groups = sorted({_kernel_group(name) for kernels in columns.values() for name in kernels},
-                    key=lambda group: -sum(_grouped(kernels).get(group, 0.0) for kernels in columns.values()))
+    grouped = [_grouped(kernels) for kernels in columns.values()]
+    groups = sorted({group for column in grouped for group in column},
+                    key=lambda group: -sum(column.get(group, 0.0) for column in grouped))
     header = ["kernels"] + [f"{'NSA' if kind == 'nsa' else 'dense'}, n = {n}" for kind, n in columns]
-    rows = [[group] + [_fmt(_grouped(kernels).get(group)) for kernels in columns.values()] for group in groups]
+    rows = [[group] + [_fmt(column.get(group)) for column in grouped] for group in groups]
     rows.append(["all kernels"] + [_fmt(sum(kernels.values()) if kernels else None) for kernels in columns.values()])
     rows.append(["step (CUDA events, median)"] + [_fmt(steps[key]) for key in columns])
     last = max(n for _, n in columns)
@@ -183,7 +182,7 @@ def profile(columns: dict[tuple[str, int], dict[str, float]], steps: dict[tuple[
         top_rows.append([f"`{name[:60]}`", _kernel_group(name).split(" (")[0], f"{ms:.2f}",
                          *(("-", "-") if resources is None else resources)])
     summary = ("Where the time goes: CUDA kernel time per compiled forward + backward (torch.profiler over "
-               "five torch.compile steps, ms), by kernel group. A step's median from CUDA events, a separate "
+               f"{PROFILED_STEPS} torch.compile steps, ms), by kernel group. A step's median from CUDA events, a separate "
                "run, also holds the gaps between its kernels.\n\n"
                + markdown_table(header, rows)
                + f"\n\nThe NSA layer's largest kernels at n = {last} (registers per thread and bytes spilled to "
