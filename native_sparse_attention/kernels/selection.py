@@ -421,6 +421,55 @@ def _chunk_position_kernel(
 
 
 @triton.jit
+def _first_entry_from(ENTRIES, lo, hi, position):
+    """The first of the entries ``[lo, hi)``, whose queries ascend, that queries ``position``
+    or later; ``hi`` when none does."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if (tl.load(ENTRIES + mid) >> 32) < position:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _dkv_step(
+    Q, DO, LSE, DELTA, SEL_SCALE, ENTRIES, e0, end, rows, z, pos, k, v, dk, dv,
+    stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don, stride_dod,
+    N, HQ, HS, sm_scale, scale2, offs_d, d_ok,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr,
+    D: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV of the key tile at ``pos`` through the entries ``[e0, e0 + len(rows) //
+    ROWS_PER_ENTRY)`` (clipped at ``end``). Without MASKED every key of the tile must precede every entry's
+    query: rows past ``end`` load zeros and an infinite LSE, so they add nothing, and keys
+    past N accumulate into rows that are never stored."""
+    i, head, slot_offset, row_ok = _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL, NUM_SETS,
+                                               SEL_SHARED_HEADS, ROWS_PER_ENTRY)
+    lse_rows = (z.to(tl.int64) * HQ + head) * N + i
+    q_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_qz, stride_qh, stride_qn, Q_ROWS)
+    do_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_doz, stride_doh, stride_don, DO_ROWS)
+    q = load_tile(Q, q_rows, row_ok, offs_d, d_ok, stride_qd)
+    do = load_tile(DO, do_rows, row_ok, offs_d, d_ok, stride_dod)
+    lse2 = load_lse2(LSE, lse_rows, row_ok)
+    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
+    if HAS_SEL_SCALE:
+        multiplier = tl.load(SEL_SCALE + slot_offset, mask=row_ok & (slot_offset >= 0), other=1.0)
+        multiplier = multiplier.to(tl.float32)
+    else:
+        multiplier = 1.0
+    if MASKED:
+        # A key is visible to the rows at or after it; rows past the chunk see none.
+        visible = pos[:, None] <= tl.where(row_ok, i, -1)[None, :]
+    else:
+        visible = True  # the select on a constant folds away
+    return dkv_tile(k, v, q, do, lse2, delta, visible, scale2 * multiplier, sm_scale * multiplier, dk, dv,
+                    DOT_PRECISION)
+
+
+@triton.jit
 def _dkv_kernel(
     Q, K, V, DO, LSE, DELTA, SEL_SCALE, ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, CHUNK_ORDER,
     DK_ACC, DV_ACC,
@@ -430,20 +479,27 @@ def _dkv_kernel(
     stride_doz, stride_doh, stride_don, stride_dod,
     N, HQ, HKV, HS, NUM_BLOCKS, NUM_KEYS, sm_scale,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
-    SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr, CHUNK: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
-    Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr, MASKED_M: tl.constexpr,
+    CHUNK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
+    QUERY_ORDERED: tl.constexpr, Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the selection for one fine tile of one key block, from one chunk of the
     entries that attend the block, added to the float32 accumulators.
 
+    QUERY_ORDERED: a key's entries come from one selection head, so their queries
+    ascend. Causal entries then query the block's own rows first, the only ones that see
+    part of a tile; the steps after them skip the mask (at 32 heads on 2 kv heads, d = 64,
+    n = 65536 on an H100, the mask took 0.5 of the pass's 4.4 ms). The masked steps take
+    MASKED_M rows (fewer than M when the entries are query-ordered), since their mask's
+    registers count against every step's.
     Q_ROWS, DO_ROWS: the memory layouts of q and dO (ROWS_*)."""
     chunk = tl.load(CHUNK_ORDER + tl.program_id(0))
     key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
     if key < NUM_KEYS:  # else a spare program past the last chunk
         z = key // (HKV * NUM_BLOCKS)
         kv_head = (key // NUM_BLOCKS) % HKV
-        pos = (key % NUM_BLOCKS) * BLOCK_SIZE + tl.program_id(1) * FINE_N + tl.arange(0, FINE_N)
+        tile_start = (key % NUM_BLOCKS) * BLOCK_SIZE + tl.program_id(1) * FINE_N
+        pos = tile_start + tl.arange(0, FINE_N)
         key_ok = pos < N
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < D
@@ -454,30 +510,30 @@ def _dkv_kernel(
         first_entry = tl.load(KEY_FIRST_ENTRY + key)
         start = first_entry + (chunk - tl.load(KEY_FIRST_CHUNK + key)) * CHUNK
         end = tl.minimum(start + CHUNK, tl.load(KEY_FIRST_ENTRY + key + 1))
-        rows = tl.arange(0, M)
+        if not CAUSAL:
+            unmasked = start
+        elif QUERY_ORDERED:
+            unmasked = _first_entry_from(ENTRIES, start, end, tile_start + FINE_N)
+        else:
+            unmasked = end
+        MASKED_STEP: tl.constexpr = MASKED_M // ROWS_PER_ENTRY
+        STEP: tl.constexpr = M // ROWS_PER_ENTRY
         scale2 = sm_scale * LOG2E
         dk = tl.zeros([FINE_N, D_PAD], tl.float32)
         dv = tl.zeros([FINE_N, D_PAD], tl.float32)
-        for e0 in range(start, end, M // ROWS_PER_ENTRY):
-            i, head, slot_offset, row_ok = _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL, NUM_SETS,
-                                                       SEL_SHARED_HEADS, ROWS_PER_ENTRY)
-            lse_rows = (z.to(tl.int64) * HQ + head) * N + i
-            q_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_qz, stride_qh, stride_qn, Q_ROWS)
-            do_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_doz, stride_doh, stride_don, DO_ROWS)
-            q = load_tile(Q, q_rows, row_ok, offs_d, d_ok, stride_qd)
-            do = load_tile(DO, do_rows, row_ok, offs_d, d_ok, stride_dod)
-            lse2 = load_lse2(LSE, lse_rows, row_ok)
-            delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
-            if HAS_SEL_SCALE:
-                multiplier = tl.load(SEL_SCALE + slot_offset, mask=row_ok & (slot_offset >= 0), other=1.0)
-                multiplier = multiplier.to(tl.float32)
-            else:
-                multiplier = 1.0
-            visible = key_ok[:, None] & row_ok[None, :]
-            if CAUSAL:
-                visible = visible & (pos[:, None] <= i[None, :])
-            dk, dv = dkv_tile(k, v, q, do, lse2, delta, visible, scale2 * multiplier, sm_scale * multiplier, dk, dv,
-                              DOT_PRECISION)
+        for e0 in range(start, unmasked, MASKED_STEP):
+            dk, dv = _dkv_step(Q, DO, LSE, DELTA, SEL_SCALE, ENTRIES, e0, end, tl.arange(0, MASKED_M), z, pos, k, v,
+                               dk, dv,
+                               stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
+                               stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
+                               SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, True,
+                               DOT_PRECISION)
+        for e0 in range(start + tl.cdiv(unmasked - start, MASKED_STEP) * MASKED_STEP, end, STEP):
+            dk, dv = _dkv_step(Q, DO, LSE, DELTA, SEL_SCALE, ENTRIES, e0, end, tl.arange(0, M), z, pos, k, v, dk, dv,
+                               stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
+                               stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
+                               SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, False,
+                               DOT_PRECISION)
         acc = dense_rows(z, kv_head, pos, HKV, N, D)[:, None] + offs_d[None, :]
         mask = key_ok[:, None] & d_ok[None, :]
         tl.atomic_add(DK_ACC + acc, dk, mask=mask, sem="relaxed")
@@ -504,6 +560,8 @@ class LaunchConfig:
     warps and ``window_fwd_stages`` stages.
     ``window_dkv_kernel`` takes ``window_block_n`` keys and ``window_block_m`` query
     rows per step (at least the kv head's query heads, padded to a power of two).
+    ``dkv_max_registers``: a cap on ``_dkv_kernel``'s registers per thread (None: the
+    compiler's choice), which sets how many of its programs an SM holds.
     """
 
     fine_n: int = 64
@@ -516,6 +574,7 @@ class LaunchConfig:
     dkv_rows: int = 32
     dkv_warps: int = 4
     dkv_stages: int = 2
+    dkv_max_registers: int | None = None
     window_rows: int = 64
     window_n: int = 32
     window_fwd_warps: int | None = None
@@ -561,7 +620,11 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     again the fastest of 32 to 128 rows and keys, four or eight warps, two or three
     stages). The selection's dK / dV pass prefers short steps: 16 rows, except that
     groups of more than 8 heads (one entry per 16 rows) take two entries per step
-    (5.47 -> 4.97 ms at 32 heads, n = 65536). At
+    (5.47 -> 4.97 ms at 32 heads, n = 65536), and its registers are capped at 128, so
+    that an SM holds four of its programs instead of three (spilling 8 bytes; in the
+    layer benchmark's compiled step on an H100, 4.19 -> 3.86 ms at n = 65536 and
+    0.493 -> 0.468 ms at n = 8192; at 16 heads on 4 kv heads, n = 32768, 1.32 -> 1.19 ms;
+    caps of 120 and 136 to 168 registers ran slower). At
     d = 128 the dK / dV pass takes a third stage (config A at 32k: 6.70 -> 6.52 ms), the
     forward one only when the launch also runs window tiles, which stay in its launch
     there (launches of their own, 4 or 8 warps, ran 2.5%-20% slower at n = 32768).
@@ -581,7 +644,7 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
         if head_dim <= 64:
             return LaunchConfig(
                 fwd_warps=1, window_rows=128, window_n=64, window_fwd_warps=8, window_fwd_stages=3, dq_warps=1,
-                dq_stages=3, dkv_rows=dkv_rows, window_block_m=32, window_stages=4,
+                dq_stages=3, dkv_rows=dkv_rows, dkv_max_registers=128, window_block_m=32, window_stages=4,
             )
         return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3, window_block_m=32, window_stages=4)
     window_steps = dict(window_block_n=32, window_block_m=32)
@@ -909,6 +972,8 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     if constexprs["NUM_SETS"]:
         table = _key_block_entries(problem, sel_idx, sel_mask)
         rows_per_entry = triton.next_power_of_2(hq // hs)
+        rows = max(config.dkv_rows, rows_per_entry)
+        query_ordered = hs == hk
         _dkv_kernel[(table.chunk_key.numel(), problem.block_size // problem.fine_n)](
             q, k, v, d_out, lse, delta, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
             table.chunk_key, table.chunk_order, dk_acc, dv_acc,
@@ -917,13 +982,16 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
                                                     "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
             ROWS_PER_ENTRY=rows_per_entry,
+            QUERY_ORDERED=query_ordered,
             Q_ROWS=_row_layout(q),
             DO_ROWS=_row_layout(d_out),
-            M=max(config.dkv_rows, rows_per_entry),
+            M=rows,
+            MASKED_M=max(rows_per_entry, MIN_ROWS) if query_ordered else rows,
             CHUNK=config.dkv_chunk,
             DOT_PRECISION=precision,
             num_warps=config.dkv_warps,
             num_stages=config.dkv_stages,
+            **({} if config.dkv_max_registers is None else {"maxnreg": config.dkv_max_registers}),
         )
     if sliding:
         dk = _empty((b, hk, n, d), k.dtype, k.device)
