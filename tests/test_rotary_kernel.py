@@ -126,6 +126,8 @@ def check_split_against_float64(b, n, heads, kv_heads, d, rest, offset, dtype, u
         torch.testing.assert_close(out.double(), reference, atol=atol, rtol=rtol, msg=name)
     for view in (*outputs[:3], outputs[5]):
         assert view.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    rq, rk = outputs[3], outputs[4]
+    assert rq.transpose(1, 2).is_contiguous() and rk.is_contiguous(), "rq tokens-major, rk heads-major"
 
     douts = [torch.randn(out.shape, generator=gen).to(DEVICE, dtype) for out in outputs]
     picked = [SPLIT_OUTPUTS.index(name) for name in used]

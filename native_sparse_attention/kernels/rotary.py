@@ -352,7 +352,10 @@ class _SplitRotate(torch.autograd.Function):
         # skips them, rather than as zero tensors it would have to read.
         ctx.set_materialize_grads(False)
         q, k, v, rest = split_qkv_heads(qkv, heads, kv_heads, 2 * inv_freq.shape[0])
-        rq = _rotate(q, inv_freq, offset, inverse=False, tokens_major=False)
+        # Tokens-major rq: the selection's dK / dV pass gathers all heads of a query at
+        # once, one run of bytes instead of one row per head (the layer benchmark's compiled
+        # step on an H100: that pass 3.86 -> 3.66 ms at n = 65536, 0.472 -> 0.449 at 8192).
+        rq = _rotate(q, inv_freq, offset, inverse=False, tokens_major=True)
         rk = _rotate(k, inv_freq, offset, inverse=False, tokens_major=False)
         return q, k, v, rq, rk, rest
 
@@ -372,8 +375,9 @@ def split_heads_and_rotate(qkv: torch.Tensor, heads: int, kv_heads: int, inv_fre
     the queries and keys; d is ``2 * len(inv_freq)``.
 
     Returns ``(q, k, v, rq, rk, rest)``: q: [b, heads, n, d], k, v: [b, kv_heads, n, d] and
-    rest: [b, n, e], views of qkv; rq, rk: contiguous rotary embeddings of q and k at
-    positions ``offset .. offset + n - 1``, as ``apply_rotary`` computes them. The
+    rest: [b, n, e], views of qkv; rq, rk: rotary embeddings of q and k at positions
+    ``offset .. offset + n - 1``, as ``apply_rotary`` computes them, rq laid out as
+    [b, n, heads, d] and rk contiguous. The
     gradient of qkv is written by one kernel, in qkv's dtype (float16, bfloat16 or
     float32). Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
     """
