@@ -621,9 +621,9 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     stages). The selection's dK / dV pass prefers short steps: 16 rows, except that
     groups of more than 8 heads (one entry per 16 rows) take two entries per step
     (5.47 -> 4.97 ms at 32 heads, n = 65536), and its registers are capped at 128, so
-    that an SM holds four of its programs instead of three (spilling 8 bytes; in the
-    layer benchmark's compiled step on an H100, 4.19 -> 3.86 ms at n = 65536 and
-    0.493 -> 0.468 ms at n = 8192; at 16 heads on 4 kv heads, n = 32768, 1.32 -> 1.19 ms;
+    that an SM holds four of its programs instead of three, spilling 8 bytes (at 32
+    heads on 2 kv heads, random selections, 4.72 -> 3.51 ms at n = 65536 and
+    0.546 -> 0.453 ms at n = 8192; at 16 heads on 4 kv heads, n = 32768, 1.32 -> 1.19 ms;
     caps of 120 and 136 to 168 registers ran slower). At
     d = 128 the dK / dV pass takes a third stage (config A at 32k: 6.70 -> 6.52 ms), the
     forward one only when the launch also runs window tiles, which stay in its launch
