@@ -443,9 +443,9 @@ def _dkv_step(
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the key tile at ``pos`` through the entries ``[e0, e0 + len(rows) //
-    ROWS_PER_ENTRY)`` (clipped at ``end``). Without MASKED every key of the tile must precede every entry's
-    query: rows past ``end`` load zeros and an infinite LSE, so they add nothing, and keys
-    past N accumulate into rows that are never stored."""
+    ROWS_PER_ENTRY)`` (clipped at ``end``). Without MASKED every key of the tile must be
+    visible to every entry's query: rows past ``end`` load zeros and an infinite LSE, so
+    they add nothing, and keys past N accumulate into rows that are never stored."""
     i, head, slot_offset, row_ok = _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL, NUM_SETS,
                                                SEL_SHARED_HEADS, ROWS_PER_ENTRY)
     lse_rows = (z.to(tl.int64) * HQ + head) * N + i
