@@ -14,8 +14,10 @@ time without Python and launch overhead, which dominates short sequences) and ru
 one line.
 Peak memory is ``torch.cuda.max_memory_allocated`` over one forward + backward, counted
 from a reset after the layer, its input and the output gradient are allocated.
+With matplotlib installed, the section's figure (docs/layer_benchmark.png) draws the
+speed-ups and memory ratios against n with the targets, and the profiled kernel times.
 
-    python benchmarks/bench_layer.py                 # table + docs/benchmarks.md "layer"
+    python benchmarks/bench_layer.py                 # table + docs/benchmarks.md "layer" + its figure
     python benchmarks/bench_layer.py --profile 8192 65536 --profile-out prof.txt
 """
 
@@ -31,8 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import (  # noqa: E402
-    benchmark_arguments, environment_line, markdown_table, median_ms, require_cuda, write_section,
+    BENCHMARKS_DOC, benchmark_arguments, environment_line, markdown_table, median_ms, require_cuda, write_figure,
+    write_section,
 )
+from benchmarks.figures import layer_figure  # noqa: E402
 from native_sparse_attention import FullAttention, SparseAttention  # noqa: E402
 from native_sparse_attention.cuda_graph import capture  # noqa: E402
 
@@ -44,6 +48,7 @@ NSA_OPTIONS = dict(
 SEQ_LENS = (4096, 8192, 16384, 32768, 65536)
 PROFILED_STEPS = 5  # compiled steps per profiled length (--profile)
 GIB = 2**30
+FIGURE = BENCHMARKS_DOC.parent / "layer_benchmark.png"
 
 # The issue's measurements of the dense layer and of the popular native-sparse-attention-pytorch
 # package's layer on one H100 (torch 2.11, triton 3.6): n -> (fwd ms, fwd+bwd ms, peak GB).
@@ -207,11 +212,13 @@ def _grouped(kernels: dict[str, float]) -> dict[str, float]:
 
 def _kernel_names(module) -> set[str]:
     """Names of the Triton kernels a module defines, not those it imports (what the
-    profiler reports)."""
-    from triton.runtime import JITFunction
+    profiler reports). Compiled or interpreted (``TRITON_INTERPRET=1``), a kernel wraps
+    its Python function as ``fn``."""
+    from triton.runtime import KernelInterface
 
     return {name for name, value in vars(module).items()
-            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__}
+            if isinstance(value, KernelInterface) and getattr(value, "fn", None) is not None
+            and value.fn.__module__ == module.__name__}
 
 
 def _triton_resources(name: str) -> tuple[int, int] | None:
@@ -265,7 +272,10 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def report(results: dict[int, dict[str, Measurement]], profile_summary: str | None) -> str:
+def report(results: dict[int, dict[str, Measurement]], profile_summary: str | None,
+           figure: str | None = None) -> str:
+    """The markdown section; ``figure``: the file name of the section's figure, beside the
+    document."""
     header = ["n", "dense fwd ms", "dense fwd+bwd ms", "dense peak GiB", "NSA fwd ms",
               "NSA fwd+bwd ms", "NSA peak GiB", "fwd+bwd speed-up", "peak ratio",
               "CUDA graph fwd+bwd ms, dense / NSA", "speed-up, CUDA graph",
@@ -306,6 +316,9 @@ def report(results: dict[int, dict[str, Measurement]], profile_summary: str | No
         "",
         "Targets: " + "; ".join(_targets(results)) + ".",
     ]
+    if figure:
+        lines += ["", f"![Speed-up and peak memory of the NSA layer against the dense layer by sequence length, "
+                      f"with the targets; the kernel time of both layers by group at the profiled lengths]({figure})"]
     if profile_summary:
         lines += ["", profile_summary]
     lines += [
@@ -392,10 +405,23 @@ def main() -> None:
                 columns[kind, n], steps[kind, n] = kernels, ms
             print(f"n={n}: {kind} torch.compile fwd+bwd {_fmt(ms)} ms", flush=True)
     profile_summary = profile(columns, steps, args.profile_out) if profiled else None
-    markdown = report(results, profile_summary)
-    print(markdown)
+    print(report(results, profile_summary))
     if not args.no_write:
-        write_section("layer", markdown)
+        figure = write_figure(lambda: layer_figure(*figure_data(results, columns)), FIGURE)
+        write_section("layer", report(results, profile_summary, figure and figure.name))
+
+
+def figure_data(results: dict[int, dict[str, Measurement]], columns: dict[tuple[str, int], dict[str, float]]):
+    """``benchmarks.figures.layer_figure``'s arguments: speed-ups per launch mode, peak
+    ratios, and the profiled lengths' kernel time by group."""
+    speedups = {mode: {n: _ratio(pair, attr) for n, pair in results.items()} for mode, attr in _MODES}
+    peak_ratios = {n: _ratio(pair, "peak_gib") for n, pair in results.items()}
+    breakdown = {
+        n: {label: _grouped(columns[kind, n]) for kind, label in (("nsa", "NSA"), ("dense", "dense"))
+            if columns.get((kind, n))}
+        for n in sorted({n for _, n in columns})
+    }
+    return speedups, peak_ratios, {n: layers for n, layers in breakdown.items() if layers}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ query picks its blocks uniformly among the blocks before its own, per kv head), 
 issue's two configurations. Also measures the two floors the kernel is held against: the
 matrix-unit time of its FLOPs at the measured bf16 matmul rate, and the time a kernel
 needs just to stream the selected key/value blocks through the SMs (the gather floor).
-Prints the tables and writes the "selection" section of docs/benchmarks.md.
+Prints the tables and writes the "selection" section of docs/benchmarks.md with its figure
+(docs/selection_benchmark.png, where matplotlib is installed).
 
     python benchmarks/bench_selection.py                  # everything (about a minute on an H100)
     python benchmarks/bench_selection.py --quick          # A and B at 32k only, no doc
@@ -32,7 +33,10 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import environment_line, markdown_table, median_ms, write_section  # noqa: E402
+from figures import selection_figure  # noqa: E402
+from report import (  # noqa: E402
+    BENCHMARKS_DOC, environment_line, markdown_table, median_ms, write_figure, write_section,
+)
 
 from native_sparse_attention.attend import native_sparse_attend  # noqa: E402
 from native_sparse_attention.reference import selected_attend  # noqa: E402
@@ -64,6 +68,11 @@ PUBLISHED = {
     ("B", 32768): ("refuses group < 16", "12.5 / 89.9"),
 }
 TARGETS = {"A": (5.0, 18.0), "B": (None, 4.5)}  # fwd, fwd+bwd at 32k
+FIGURE = BENCHMARKS_DOC.parent / "selection_benchmark.png"
+
+
+def config_title(config: Config) -> str:
+    return f"{config.query_heads} query heads on {config.kv_heads} kv heads, d = {config.head_dim}"
 
 
 def random_causal_selection(config: Config, n: int, generator: torch.Generator, device):
@@ -373,7 +382,10 @@ def bottleneck_text(rows: list[dict], tflops: float) -> str:
     )
 
 
-def report_markdown(rows: list[dict], tflops: float, environment: str) -> str:
+def report_markdown(rows: list[dict], tflops: float, environment: str, figure: str | None = None) -> str:
+    """The markdown section; ``figure``: the file name of its figure, beside the document."""
+    image = [f"![Forward + backward time of the selection kernel, dense SDPA and the PyTorch reference "
+             f"against n, over twice the gather floor]({figure})", ""] if figure else []
     return "\n".join([
         "## Selection kernel (`native_sparse_attend`)",
         "",
@@ -387,6 +399,7 @@ def report_markdown(rows: list[dict], tflops: float, environment: str) -> str:
         "",
         timing_table(rows),
         "",
+        *image,
         "### Against the published kernels",
         "",
         "The fla-org and original-repository figures are the issue's measurements on an H100 80GB (torch 2.11, "
@@ -439,10 +452,12 @@ def main(argv=None) -> None:
                 torch.cuda.empty_cache()
         if args.save is not None:
             args.save.write_text(json.dumps(results, indent=1))
-    markdown = report_markdown(results["rows"], results["tflops"], results["environment"])
-    print(markdown)
+    print(report_markdown(results["rows"], results["tflops"], results["environment"]))
     if not (args.quick or args.no_doc):
-        write_section("selection", markdown)
+        titles = {name: config_title(config) for name, config in CONFIGS.items()}
+        figure = write_figure(lambda: selection_figure(results["rows"], titles), FIGURE)
+        write_section("selection", report_markdown(results["rows"], results["tflops"], results["environment"],
+                                                   figure and figure.name))
 
 
 if __name__ == "__main__":

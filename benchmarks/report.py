@@ -47,6 +47,27 @@ def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def write_figure(draw, path: Path) -> Path | None:
+    """The matplotlib figure ``draw()`` returns, written to ``path`` as a PNG (atomically);
+    None, with a note, where matplotlib is not installed (the tables are written anyway)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"matplotlib is not installed: {path.name} not drawn (pip install matplotlib)")
+        return None
+    import matplotlib.pyplot as plt
+
+    from native_sparse_attention.checkpoint import atomic_write
+
+    figure = draw()
+    try:
+        with atomic_write(path) as temporary:
+            figure.savefig(temporary, format="png", dpi=100)
+    finally:
+        plt.close(figure)
+    return path
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

@@ -1,0 +1,122 @@
+"""The benchmark scripts' figures and their data, from made-up measurements (no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from benchmarks.bench_layer import FIGURE, Measurement, figure_data, report  # noqa: E402
+from benchmarks.figures import layer_figure, selection_figure  # noqa: E402
+from benchmarks.report import write_figure  # noqa: E402
+
+MATMUL = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"
+SDPA = "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1_kernel0_0"
+
+
+def _results() -> dict[int, dict[str, Measurement]]:
+    """Three lengths; the CUDA graph run of the longest failed (None), as after an OOM."""
+    return {
+        4096: {"dense": Measurement(1.0, 2.0, 2.0, 2.0, 1.0), "nsa": Measurement(2.0, 4.0, 4.0, 5.0, 1.5)},
+        8192: {"dense": Measurement(2.0, 6.0, 6.0, 6.0, 2.0), "nsa": Measurement(2.0, 5.0, 4.0, 4.0, 2.4)},
+        65536: {"dense": Measurement(40.0, 160.0, None, 150.0, 4.0), "nsa": Measurement(10.0, 40.0, 41.0, 37.5, 4.4)},
+    }
+
+
+def _columns() -> dict[tuple[str, int], dict[str, float]]:
+    return {
+        ("nsa", 8192): {"_fwd_kernel": 0.6, "_dq_kernel": 0.5, MATMUL: 0.7},
+        ("dense", 8192): {SDPA: 2.5, MATMUL: 0.6},
+    }
+
+
+def _lines(axes) -> dict[str, tuple[list, list]]:
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in axes.get_lines()}
+
+
+def test_figure_data_ratios_and_groups():
+    speedups, peak_ratios, breakdown = figure_data(_results(), _columns())
+    assert speedups["eager"] == {4096: 0.5, 8192: 1.2, 65536: 4.0}
+    assert speedups["CUDA graph"][65536] is None
+    assert speedups["torch.compile"] == {4096: 0.4, 8192: 1.5, 65536: 4.0}
+    assert peak_ratios == pytest.approx({4096: 1.5, 8192: 1.2, 65536: 1.1})
+    assert list(breakdown) == [8192]
+    assert list(breakdown[8192]) == ["NSA", "dense"]  # NSA first: the figure's top bar
+    nsa, dense = breakdown[8192]["NSA"], breakdown[8192]["dense"]
+    assert nsa == pytest.approx({
+        "selected attention fwd + bwd, sliding-window forward (kernels/selection.py)": 1.1,
+        "matmuls (projections, compression MLPs)": 0.7,
+    })
+    assert dense == pytest.approx({"dense attention (SDPA)": 2.5, "matmuls (projections, compression MLPs)": 0.6})
+
+
+def test_layer_figure_plots_every_measured_point_and_the_targets():
+    figure = layer_figure(*figure_data(_results(), _columns()))
+    speedup_axes, memory_axes, breakdown_axes = figure.axes
+    lines = _lines(speedup_axes)
+    assert lines["eager"] == ([4096, 8192, 65536], [0.5, 1.2, 4.0])
+    assert lines["CUDA graph"] == ([4096, 8192], [0.5, 1.5])  # the failed run is left out
+    assert lines["target: 4x at 64k"] == ([65536], [4.0])
+    target_line = [c for c in speedup_axes.collections if c.get_label().startswith("target: faster")]
+    assert len(target_line) == 1
+    (start, level), (end, _) = target_line[0].get_segments()[0]
+    assert (start, level, end) == (8192, 1.0, 65536)
+    memory = _lines(memory_axes)
+    assert memory["NSA peak / dense peak"][1] == pytest.approx([1.5, 1.2, 1.1])
+    assert memory["limit: 2x"][1] == [2, 2]
+    # One stacked bar per layer, its segments adding up to the layer's kernel time.
+    widths: dict[float, float] = {}
+    for bar in breakdown_axes.patches:
+        y = round(bar.get_y() + bar.get_height() / 2)
+        widths[y] = widths.get(y, 0.0) + bar.get_width()
+    assert widths == pytest.approx({1: 1.8, 0: 3.1})  # NSA on top (y = 1)
+    assert [label.get_text() for label in breakdown_axes.get_yticklabels()] == ["dense", "NSA"]
+    assert len(figure.legends) == 1 and len(figure.legends[0].get_texts()) == 3  # kernel groups
+
+
+def test_layer_figure_without_a_profile_has_only_the_top_row():
+    figure = layer_figure(*figure_data(_results(), {}))
+    assert len(figure.axes) == 2
+
+
+def test_report_links_the_figure_only_when_drawn(tmp_path):
+    results = _results()
+    assert "](layer_benchmark.png)" in report(results, None, figure=FIGURE.name)
+    assert "![" not in report(results, None)
+    path = write_figure(lambda: layer_figure(*figure_data(results, _columns())), tmp_path / FIGURE.name)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == [FIGURE.name]  # no temporary file left
+
+
+def test_write_figure_leaves_nothing_when_drawing_fails(tmp_path):
+    def draw():
+        raise RuntimeError("no data")
+
+    with pytest.raises(RuntimeError, match="no data"):
+        write_figure(draw, tmp_path / "figure.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _selection_rows() -> list[dict]:
+    """Config A at three lengths (the reference and cuDNN missing at the longest), B at one."""
+    return [
+        dict(config="A", n=1024, fwd_bwd=1.4, flash=(0.1, 0.4), cudnn=(0.05, 0.25), reference=(4.3, 8.9), gather=0.15),
+        dict(config="A", n=8192, fwd_bwd=6.1, flash=(3.3, 12.7), cudnn=(1.9, 7.7), reference=(20.0, 41.0),
+             gather=1.65),
+        dict(config="A", n=32768, fwd_bwd=25.2, flash=(50.6, 189.2), cudnn=None, reference=None, gather=7.96),
+        dict(config="B", n=32768, fwd_bwd=9.6, flash=(7.2, 26.9), cudnn=(4.9, 17.8), reference=None, gather=3.71),
+    ]
+
+
+def test_selection_figure_one_panel_per_config_with_each_measured_time():
+    figure = selection_figure(_selection_rows(), {"A": "64 on 4, d = 128", "B": "16 on 4, d = 64", "C": "unmeasured"})
+    panel_a, panel_b = figure.axes  # C has no rows: no panel
+    assert panel_a.get_title() == "A: 64 on 4, d = 128"
+    lines = _lines(panel_a)
+    assert lines["NSA selection kernel"] == ([1024, 8192, 32768], [1.4, 6.1, 25.2])
+    assert lines["SDPA flash (dense causal)"] == ([1024, 8192, 32768], [0.4, 12.7, 189.2])
+    assert lines["SDPA cuDNN (dense causal)"] == ([1024, 8192], [0.25, 7.7])
+    assert lines["PyTorch reference"] == ([1024, 8192], [8.9, 41.0])
+    assert lines["2 x K/V gather floor"][1] == pytest.approx([0.3, 3.3, 15.92])
+    assert panel_a.get_yscale() == "log"
+    assert _lines(panel_b)["NSA selection kernel"] == ([32768], [9.6])
