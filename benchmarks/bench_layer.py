@@ -416,12 +416,12 @@ def figure_data(results: dict[int, dict[str, Measurement]], columns: dict[tuple[
     ratios, and the profiled lengths' kernel time by group."""
     speedups = {mode: {n: _ratio(pair, attr) for n, pair in results.items()} for mode, attr in _MODES}
     peak_ratios = {n: _ratio(pair, "peak_gib") for n, pair in results.items()}
-    breakdown = {
-        n: {label: _grouped(columns[kind, n]) for kind, label in (("nsa", "NSA"), ("dense", "dense"))
-            if columns.get((kind, n))}
-        for n in sorted({n for _, n in columns})
-    }
-    return speedups, peak_ratios, {n: layers for n, layers in breakdown.items() if layers}
+    breakdown: dict[int, dict[str, dict[str, float]]] = {}
+    for n in sorted({n for _, n in columns}):
+        for kind, label in (("nsa", "NSA"), ("dense", "dense")):  # NSA first: the figure's top bar
+            if columns.get((kind, n)):
+                breakdown.setdefault(n, {})[label] = _grouped(columns[kind, n])
+    return speedups, peak_ratios, breakdown
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ length beside dense attention's and the PyTorch reference's, over the gather flo
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -118,17 +119,15 @@ def layer_figure(speedups: dict[str, dict[int, float | None]], peak_ratios: dict
     columns = max(2, len(profiled))
     rows = 2 if profiled else 1
     figure = plt.figure(figsize=(6 * columns, 4.5 * rows + (1.0 if profiled else 0.0)), layout="constrained")
-    grid = figure.add_gridspec(rows, 2 * columns)
-    half = columns  # each top panel spans half the width
-    _speedup_panel(figure.add_subplot(grid[0, :half]), speedups, faster_from, speedup_target)
-    _memory_panel(figure.add_subplot(grid[0, half:]), peak_ratios, memory_limit)
+    grid = figure.add_gridspec(rows, 2 * columns)  # each top panel spans half the width
+    _speedup_panel(figure.add_subplot(grid[0, :columns]), speedups, faster_from, speedup_target)
+    _memory_panel(figure.add_subplot(grid[0, columns:]), peak_ratios, memory_limit)
     if profiled:
-        totals: dict[str, float] = {}
+        totals = Counter()
         for layers in breakdown.values():
             for groups in layers.values():
-                for group, ms in groups.items():
-                    totals[group] = totals.get(group, 0.0) + ms
-        order = sorted(totals, key=lambda group: -totals[group])
+                totals.update(groups)
+        order = [group for group, _ in totals.most_common()]
         colors = {group: plt.get_cmap("tab10")(index % 10) for index, group in enumerate(order)}
         width = 2 * columns // len(profiled)
         for index, n in enumerate(profiled):
