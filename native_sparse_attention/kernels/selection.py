@@ -26,6 +26,8 @@ Entry: one (query i, selection head, key set) whose key set is a valid block; it
     SEL_SHARED_HEADS query rows. Key: one (batch z, kv head, key block), numbered
     (z * HKV + kv_head) * NUM_BLOCKS + block; NUM_KEYS of them.
     M: query rows per step of _dkv_kernel; CHUNK: most entries per _dkv_kernel program
+ROW_STATS: ``[Z, N, HQ, 2]`` float32, per query row the base-2 LSE (+inf for a row
+    without keys) and delta, which ``_dq_kernel`` leaves for ``_dkv_kernel``
 
 Work decomposition
 ------------------
@@ -54,7 +56,9 @@ positions per program, one warp each through a batched [positions, ROWS, D] dot,
 - ``_dq_kernel``: recomputes P per tile; dQ stays in registers (the program owns all of
   its query's keys, so no atomics), dsel_scale is reduced per slot, and delta =
   rowsum(dO * O) is stored for the key side. With SLIDING it adds the window's dQ, which
-  ``window_dq_kernel`` has left in a buffer of the input dtype. (A float32 buffer, twice
+  ``window_dq_kernel`` has left in a buffer of the input dtype. It also stores each
+  row's base-2 LSE next to its delta, tokens-major (ROW_STATS), so that the key side
+  loads both as one 8-byte run per row, an entry's heads side by side. (A float32 buffer, twice
   the bytes to write and read, kept one rounding fewer but cost 0.17-0.2 ms more at the
   layer benchmark's n = 65536 on an H100; the compressed branch's dQ reaches the sum of
   the branches rounded to the input dtype as well.)
@@ -68,11 +72,17 @@ labels every entry with its key, a stable sort groups them), and
 - ``_dkv_kernel``: one program per chunk of the entries of one key block, one fine tile
   of it per grid column. It gathers the entries' q and dO rows M at a time, keeps dK / dV
   of its keys in registers and adds them to float32 accumulators once, atomically
-  (several chunks may share a block). Chunks launch in the order of the first query
-  they gather (``_chunk_position_kernel``), so that the programs running at the same
-  time read q and dO rows of neighbouring queries: a working set that L2 holds where
-  whole q and dO tensors may not (at 32 heads on 2 kv heads, d = 64 and n = 65536,
-  5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query phase did not
+  (several chunks may share a block). Its rows' LSE and delta come as one [M, 2] tile
+  of ROW_STATS per step. Read from two [Z, HQ, N] tensors, each step computed their
+  pointers in the dots' layout and moved them through shared memory into the layout of
+  the asynchronous copies: three barriers and 480 instructions per step of 32 rows
+  against 293 (sm_90, triton 3.9). The pass waits on its dots more than it issues, so
+  that took it only from 3.60 to 3.47 ms at 32 heads on 2 kv heads, d = 64 and
+  n = 65536 on an H100 (the dQ pass's extra store: +0.02 ms). Chunks launch in the
+  order of the first query they gather (``_chunk_position_kernel``), so that the
+  programs running at the same time read q and dO rows of neighbouring queries: a
+  working set that L2 holds where whole q and dO tensors may not (at 32 heads on 2 kv
+  heads, d = 64 and n = 65536, 5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query phase did not
   pay: it cuts chunks short, and the atomic adds grow with their number. Nor did
   computing dQ here as well, which would spare ``_dq_kernel``'s second gather of the
   keys and values: a fifth dot per step plus a float32 atomic add of each entry's dQ
@@ -109,7 +119,6 @@ from native_sparse_attention.kernels.attention_tiles import (
     dense_rows,
     dkv_tile,
     dq_tile,
-    load_lse2,
     load_tile,
     program_heads,
     softmax_tile,
@@ -276,7 +285,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K_TILES, V_TILES, O, DO, LSE, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DELTA, DQ_WINDOW,
+    Q, K_TILES, V_TILES, O, DO, LSE, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DELTA, ROW_STATS, DQ_WINDOW,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_doz, stride_doh, stride_don, stride_dod,
     N, HQ, HS, sm_scale,
@@ -286,8 +295,9 @@ def _dq_kernel(
     CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dQ, dsel_scale and delta of the selection for query position ``program_id(0)``;
-    with SLIDING, dQ also gets the window's part from the buffer DQ_WINDOW. K_TILES,
+    """dQ, dsel_scale and delta (also into ROW_STATS, with the base-2 LSE) of the
+    selection for query position ``program_id(0)``; with SLIDING, dQ also gets the
+    window's part from the buffer DQ_WINDOW. K_TILES,
     V_TILES: TMA descriptors of [FINE_N, D_PAD] key and value tiles."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
     i = tl.program_id(0)
@@ -302,6 +312,7 @@ def _dq_kernel(
         Q, O, DO, LSE, DELTA, z, heads, i, row_ok, stride_qz, stride_qh, stride_qn, stride_qd,
         stride_doz, stride_doh, stride_don, stride_dod, N, HQ, D, D_PAD,
     )
+    tl.store(ROW_STATS + _row_stats_offsets(z, heads, i, N, HQ), tl.join(lse2, delta), mask=row_ok[:, None])
     sel_row = ((z.to(tl.int64) * HS + sel_head) * N + i) * SEL
     scale2 = sm_scale * LOG2E
 
@@ -434,8 +445,14 @@ def _first_entry_from(ENTRIES, lo, hi, position):
 
 
 @triton.jit
+def _row_stats_offsets(z, head, i, N, HQ):
+    """[len(head), 2] offsets of rows ``[z, head, i]``'s (base-2 LSE, delta) pair in ROW_STATS."""
+    return ((z.to(tl.int64) * N + i) * HQ + head)[:, None] * 2 + tl.arange(0, 2)[None, :]
+
+
+@triton.jit
 def _dkv_step(
-    Q, DO, LSE, DELTA, SEL_SCALE, ENTRIES, e0, end, rows, z, pos, k, v, dk, dv,
+    Q, DO, ROW_STATS, SEL_SCALE, ENTRIES, e0, end, rows, z, pos, k, v, dk, dv,
     stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don, stride_dod,
     N, HQ, HS, sm_scale, scale2, offs_d, d_ok,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr,
@@ -453,8 +470,9 @@ def _dkv_step(
     do_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_doz, stride_doh, stride_don, DO_ROWS)
     q = load_tile(Q, q_rows, row_ok, offs_d, d_ok, stride_qd)
     do = load_tile(DO, do_rows, row_ok, offs_d, d_ok, stride_dod)
-    lse2 = load_lse2(LSE, lse_rows, row_ok)
-    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
+    stats = tl.load(ROW_STATS + _row_stats_offsets(z, head, i, N, HQ), mask=row_ok[:, None], other=0.0)
+    lse2, delta = tl.split(stats)
+    lse2 = tl.where(row_ok, lse2, float("inf"))
     if HAS_SEL_SCALE:
         multiplier = tl.load(SEL_SCALE + slot_offset, mask=row_ok & (slot_offset >= 0), other=1.0)
         multiplier = multiplier.to(tl.float32)
@@ -471,7 +489,7 @@ def _dkv_step(
 
 @triton.jit
 def _dkv_kernel(
-    Q, K, V, DO, LSE, DELTA, SEL_SCALE, ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, CHUNK_ORDER,
+    Q, K, V, DO, ROW_STATS, SEL_SCALE, ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, CHUNK_ORDER,
     DK_ACC, DV_ACC,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
@@ -522,14 +540,14 @@ def _dkv_kernel(
         dk = tl.zeros([FINE_N, D_PAD], tl.float32)
         dv = tl.zeros([FINE_N, D_PAD], tl.float32)
         for e0 in range(start, unmasked, MASKED_STEP):
-            dk, dv = _dkv_step(Q, DO, LSE, DELTA, SEL_SCALE, ENTRIES, e0, end, tl.arange(0, MASKED_M), z, pos, k, v,
+            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, ENTRIES, e0, end, tl.arange(0, MASKED_M), z, pos, k, v,
                                dk, dv,
                                stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
                                stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
                                SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, True,
                                DOT_PRECISION)
         for e0 in range(start + tl.cdiv(unmasked - start, MASKED_STEP) * MASKED_STEP, end, STEP):
-            dk, dv = _dkv_step(Q, DO, LSE, DELTA, SEL_SCALE, ENTRIES, e0, end, tl.arange(0, M), z, pos, k, v, dk, dv,
+            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, ENTRIES, e0, end, tl.arange(0, M), z, pos, k, v, dk, dv,
                                stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
                                stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
                                SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, False,
@@ -938,6 +956,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     dq = _empty((b, hq, n, d), q.dtype, q.device)
     dsel = _empty(indices.shape, torch.float32, q.device) if problem.has_sel_scale else None
     delta = _empty((b, hq, n), torch.float32, q.device)
+    row_stats = _empty((b, n, hq, 2), torch.float32, q.device)
     swa_delta = _empty((b, hq, n), torch.float32, q.device) if sliding else None
     sel_idx, sel_mask, sel_scale_arg = _selection_operands(indices, fmask, sel_scale, lse)
     dq_window = lse
@@ -957,7 +976,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         )
     _dq_kernel[problem.grid](
         q, *key_tiles(problem.dq_fine_n), out, d_out, lse, sel_idx, sel_mask, sel_scale_arg, dq,
-        dsel if dsel is not None and dsel.numel() else lse, delta, dq_window,
+        dsel if dsel is not None and dsel.numel() else lse, delta, row_stats, dq_window,
         *_strides(q), *_strides(d_out),
         n, hq, hs, problem.scale,
         **{**problem.constexprs, "FINE_N": problem.dq_fine_n},
@@ -975,7 +994,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         rows = max(config.dkv_rows, rows_per_entry)
         query_ordered = hs == hk
         _dkv_kernel[(table.chunk_key.numel(), problem.block_size // problem.fine_n)](
-            q, k, v, d_out, lse, delta, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
+            q, k, v, d_out, row_stats, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
             table.chunk_key, table.chunk_order, dk_acc, dv_acc,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
             n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
