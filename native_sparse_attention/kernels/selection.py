@@ -70,24 +70,24 @@ selection is inverted on the device (``_key_block_entries``: ``_entry_keys_kerne
 labels every entry with its key, a stable sort groups them), and
 
 - ``_dkv_kernel``: one program per chunk of the entries of one key block, one fine tile
-  of it per grid column. It gathers the entries' q and dO rows M at a time, keeps dK / dV
-  of its keys in registers and adds them to float32 accumulators once, atomically
-  (several chunks may share a block). Its rows' LSE and delta come as one [M, 2] tile
-  of ROW_STATS per step. Read from two [Z, HQ, N] tensors, each step computed their
+  of it per grid column. It gathers the entries' q and dO rows M at a time, keeps
+  dK / dV of its keys in registers and adds them to float32 accumulators once, atomically
+  (several chunks may share a block). Its rows' LSE and delta come as one [M, 2] tile of
+  ROW_STATS per step. Read from two [Z, HQ, N] tensors, each step computed their
   pointers in the dots' layout and moved them through shared memory into the layout of
   the asynchronous copies: three barriers and 480 instructions per step of 32 rows
   against 293 (sm_90, triton 3.9). The pass waits on its dots more than it issues, so
-  that took it only from 3.60 to 3.47 ms at 32 heads on 2 kv heads, d = 64 and
-  n = 65536 on an H100 (the dQ pass's extra store: +0.02 ms). Chunks launch in the
-  order of the first query they gather (``_chunk_position_kernel``), so that the
-  programs running at the same time read q and dO rows of neighbouring queries: a
-  working set that L2 holds where whole q and dO tensors may not (at 32 heads on 2 kv
-  heads, d = 64 and n = 65536, 5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query phase did not
+  that took it only from 3.60 to 3.47 ms at 32 heads on 2 kv heads, d = 64 and n = 65536
+  on an H100 (the dQ pass's extra store: +0.02 ms). Chunks launch in the order of the
+  first query they gather (``_chunk_position_kernel``), so that the programs running at
+  the same time read q and dO rows of neighbouring queries: a working set that L2 holds
+  where whole q and dO tensors may not (at 32 heads on 2 kv heads, d = 64 and n = 65536,
+  5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query phase did not
   pay: it cuts chunks short, and the atomic adds grow with their number. Nor did
   computing dQ here as well, which would spare ``_dq_kernel``'s second gather of the
   keys and values: a fifth dot per step plus a float32 atomic add of each entry's dQ
-  rows made the pass 4.05 ms slower at the same configuration, close to the 4.5 ms
-  that ``_dq_kernel`` takes, and packing the adds four to an instruction
+  rows made the pass 4.05 ms slower at the same configuration, close to the 4.5 ms that
+  ``_dq_kernel`` takes, and packing the adds four to an instruction
   (``red.global.add.v4.f32``) did not change that.
 
 With a window, ``window_dkv_kernel`` then adds these float32 accumulators to the window's
@@ -297,8 +297,8 @@ def _dq_kernel(
 ):
     """dQ, dsel_scale and delta (also into ROW_STATS, with the base-2 LSE) of the
     selection for query position ``program_id(0)``; with SLIDING, dQ also gets the
-    window's part from the buffer DQ_WINDOW. K_TILES,
-    V_TILES: TMA descriptors of [FINE_N, D_PAD] key and value tiles."""
+    window's part from the buffer DQ_WINDOW. K_TILES, V_TILES: TMA descriptors of
+    [FINE_N, D_PAD] key and value tiles."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
     i = tl.program_id(0)
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
