@@ -76,11 +76,17 @@ labels every entry with its key, a stable sort groups them), and
   ROW_STATS per step. Read from two [Z, HQ, N] tensors, each step computed their
   pointers in the dots' layout and moved them through shared memory into the layout of
   the asynchronous copies: three barriers and 480 instructions per step of 32 rows
-  against 293 (sm_90, triton 3.9). The pass waits on its dots more than it issues, so
-  that took it only from 3.60 to 3.47 ms at 32 heads on 2 kv heads, d = 64 and n = 65536
-  on an H100 (the dQ pass's extra store: +0.02 ms). Chunks launch in the order of the
-  first query they gather (``_chunk_position_kernel``), so that the programs running at
-  the same time read q and dO rows of neighbouring queries: a working set that L2 holds
+  against 293 (sm_90, triton 3.9), yet took the pass only from 3.60 to 3.47 ms at 32
+  heads on 2 kv heads, d = 64 and n = 65536 on an H100 (the dQ pass's extra store:
+  +0.02 ms): it waits on its gathers. With every dot taken out of its steps, it still
+  took 2.83 of its 3.33 ms; without the exponentials, 3.36. Each step used to load its
+  own entries, which made Triton's pipeliner issue the step's gathers only one step
+  ahead and wait for every copy in flight at the top of each step. Loaded once per
+  program instead, the entries leave the gathers free to go stages ahead: in 64-row
+  steps of four stages, the pass took 3.30 -> 2.70 ms (0.420 -> 0.361 ms at n = 8192).
+  Chunks launch in the order of the first query they gather (``_chunk_position_kernel``),
+  so that the programs running at the same time read q and dO rows of neighbouring
+  queries: a working set that L2 holds
   where whole q and dO tensors may not (at 32 heads on 2 kv heads, d = 64 and n = 65536,
   5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query phase did not
   pay: it cuts chunks short, and the atomic adds grow with their number. Nor did
@@ -337,9 +343,10 @@ def _dq_kernel(
 
 
 @triton.jit
-def _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL: tl.constexpr, NUM_SETS: tl.constexpr,
+def _entry_rows(chunk_entries, start, e0, end, rows, z, N, HS, SEL: tl.constexpr, NUM_SETS: tl.constexpr,
                 SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr):
-    """Query rows of the entries ``[e0, e0 + M // ROWS_PER_ENTRY)`` (clipped at ``end``).
+    """Query rows of the entries ``[e0, e0 + M // ROWS_PER_ENTRY)`` (clipped at ``end``),
+    picked from ``chunk_entries``, the program's chunk of ENTRIES from entry ``start`` on.
 
     An entry is one (query i, selection head, key set) of batch z, packed as
     ``i << 32 | sel_head << 16 | key_set`` so that decoding is shifts and masks: a
@@ -352,7 +359,8 @@ def _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL: tl.constexpr, NUM_SETS: t
     entry = e0 + rows // ROWS_PER_ENTRY
     in_entry = rows % ROWS_PER_ENTRY
     ok = (entry < end) & (in_entry < SEL_SHARED_HEADS)
-    packed = tl.load(ENTRIES + entry, mask=entry < end, other=0)
+    in_chunk = tl.minimum(entry - start, chunk_entries.shape[0] - 1).to(tl.int32)
+    packed = tl.gather(chunk_entries, in_chunk, 0)
     i = (packed >> 32).to(tl.int32)
     head_and_set = packed.to(tl.int32)  # the low 32 bits
     sel_head = head_and_set >> 16
@@ -452,7 +460,7 @@ def _row_stats_offsets(z, head, i, N, HQ):
 
 @triton.jit
 def _dkv_step(
-    Q, DO, ROW_STATS, SEL_SCALE, ENTRIES, e0, end, rows, z, pos, k, v, dk, dv,
+    Q, DO, ROW_STATS, SEL_SCALE, chunk_entries, start, e0, end, rows, z, pos, k, v, dk, dv,
     stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don, stride_dod,
     N, HQ, HS, sm_scale, scale2, offs_d, d_ok,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr,
@@ -463,7 +471,7 @@ def _dkv_step(
     ROWS_PER_ENTRY)`` (clipped at ``end``). Without MASKED every key of the tile must be
     visible to every entry's query: rows past ``end`` load zeros and an infinite LSE, so
     they add nothing, and keys past N accumulate into rows that are never stored."""
-    i, head, slot_offset, row_ok = _entry_rows(ENTRIES, e0, end, rows, z, N, HS, SEL, NUM_SETS,
+    i, head, slot_offset, row_ok = _entry_rows(chunk_entries, start, e0, end, rows, z, N, HS, SEL, NUM_SETS,
                                                SEL_SHARED_HEADS, ROWS_PER_ENTRY)
     lse_rows = (z.to(tl.int64) * HQ + head) * N + i
     q_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_qz, stride_qh, stride_qn, Q_ROWS)
@@ -498,8 +506,8 @@ def _dkv_kernel(
     N, HQ, HKV, HS, NUM_BLOCKS, NUM_KEYS, sm_scale,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr, MASKED_M: tl.constexpr,
-    CHUNK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
-    QUERY_ORDERED: tl.constexpr, Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the selection for one fine tile of one key block, from one chunk of the
     entries that attend the block, added to the float32 accumulators.
@@ -510,6 +518,11 @@ def _dkv_kernel(
     n = 65536 on an H100, the mask took 0.5 of the pass's 4.4 ms). The masked steps take
     MASKED_M rows (fewer than M when the entries are query-ordered), since their mask's
     registers count against every step's.
+    The chunk's entries are loaded once, before the steps, so that a step's gathers
+    depend on no load in the loop and Triton's pipeliner can issue them stages ahead;
+    with each step loading its own entries, it issued the gathers one step ahead and
+    waited for every copy in flight at the top of each step (CHUNK_PAD: CHUNK rounded up
+    to a power of two).
     Q_ROWS, DO_ROWS: the memory layouts of q and dO (ROWS_*)."""
     chunk = tl.load(CHUNK_ORDER + tl.program_id(0))
     key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
@@ -534,20 +547,24 @@ def _dkv_kernel(
             unmasked = _first_entry_from(ENTRIES, start, end, tile_start + FINE_N)
         else:
             unmasked = end
+        in_chunk = tl.arange(0, CHUNK_PAD)
+        chunk_entries = tl.load(ENTRIES + start + in_chunk, mask=start + in_chunk < end, other=0)
         MASKED_STEP: tl.constexpr = MASKED_M // ROWS_PER_ENTRY
         STEP: tl.constexpr = M // ROWS_PER_ENTRY
         scale2 = sm_scale * LOG2E
         dk = tl.zeros([FINE_N, D_PAD], tl.float32)
         dv = tl.zeros([FINE_N, D_PAD], tl.float32)
         for e0 in range(start, unmasked, MASKED_STEP):
-            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, ENTRIES, e0, end, tl.arange(0, MASKED_M), z, pos, k, v,
+            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, chunk_entries, start, e0, end, tl.arange(0, MASKED_M), z,
+                               pos, k, v,
                                dk, dv,
                                stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
                                stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
                                SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, True,
                                DOT_PRECISION)
         for e0 in range(start + tl.cdiv(unmasked - start, MASKED_STEP) * MASKED_STEP, end, STEP):
-            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, ENTRIES, e0, end, tl.arange(0, M), z, pos, k, v, dk, dv,
+            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, chunk_entries, start, e0, end, tl.arange(0, M), z, pos, k,
+                               v, dk, dv,
                                stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
                                stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
                                SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, False,
@@ -636,16 +653,20 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     The window's dQ keeps 64-row tiles of 64 keys in four warps and two stages (1.07 ms;
     128 rows in eight warps 1.17 ms, three stages 1.10 ms; with TMA descriptors 0.96 ms,
     again the fastest of 32 to 128 rows and keys, four or eight warps, two or three
-    stages). The selection's dK / dV pass prefers short steps: 16 rows, except that
-    groups of more than 8 heads (one entry per 16 rows) take two entries per step
-    (5.47 -> 4.97 ms at 32 heads, n = 65536), and its registers are capped at 128, so
-    that an SM holds four of its programs instead of three, spilling 8 bytes (at 32
-    heads on 2 kv heads, random selections, 4.72 -> 3.51 ms at n = 65536 and
-    0.546 -> 0.453 ms at n = 8192; at 16 heads on 4 kv heads, n = 32768, 1.32 -> 1.19 ms;
-    caps of 120 and 136 to 168 registers ran slower). At
-    d = 128 the dK / dV pass takes a third stage (config A at 32k: 6.70 -> 6.52 ms), the
-    forward one only when the launch also runs window tiles, which stay in its launch
-    there (launches of their own, 4 or 8 warps, ran 2.5%-20% slower at n = 32768).
+    stages). The selection's dK / dV pass gathers 64 query rows per step (four entries of
+    16 heads, sixteen of 4) through four stages: once its gathers could be issued stages
+    ahead (``_dkv_kernel``), longer steps with more of them in flight paid, and a register
+    cap no longer did. At 32 heads on 2 kv heads, random selections, n = 65536 (8192):
+    2.70 ms (0.361) against 3.30 (0.420) for the 32-row, two-stage steps capped at 128
+    registers that were fastest before; three stages 2.74 (0.359), five 2.75, six 3.73,
+    chunks of 128 or 512 entries 2.79 or 2.69 (0.353, 0.356), 32-row steps in three or
+    four stages 3.05-3.17 (0.40-0.41), 128-row steps 7.0-7.1, eight warps 5.7-7.3 ms. At
+    16 heads on 4 kv heads, n = 32768: 0.85 ms against 1.13; three stages 0.83, 16- or
+    32-row steps 1.01-1.14 ms. At d = 128 the dK / dV pass keeps 32-row steps of three
+    stages (config A at 32k: 6.34 -> 4.82 ms with the pipelined gathers; four stages 4.88,
+    64-row steps 5.8-7.1 ms), and the forward takes a third stage only when the launch
+    also runs window tiles, which stay in its launch there (launches of their own, 4 or 8
+    warps, ran 2.5%-20% slower at n = 32768).
 
     float32 tiles are twice as wide: they keep two warps (at n = 4096 the forward takes
     1.5x as long on one), and at every d the window's dK / dV takes 32-key, 32-row steps
@@ -662,7 +683,7 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
         if head_dim <= 64:
             return LaunchConfig(
                 fwd_warps=1, window_rows=128, window_n=64, window_fwd_warps=8, window_fwd_stages=3, dq_warps=1,
-                dq_stages=3, dkv_rows=dkv_rows, dkv_max_registers=128, window_block_m=32, window_stages=4,
+                dq_stages=3, dkv_rows=64, dkv_stages=4, window_block_m=32, window_stages=4,
             )
         return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3, window_block_m=32, window_stages=4)
     window_steps = dict(window_block_n=32, window_block_m=32)
@@ -1007,6 +1028,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             M=rows,
             MASKED_M=max(rows_per_entry, MIN_ROWS) if query_ordered else rows,
             CHUNK=config.dkv_chunk,
+            CHUNK_PAD=triton.next_power_of_2(config.dkv_chunk),
             DOT_PRECISION=precision,
             num_warps=config.dkv_warps,
             num_stages=config.dkv_stages,
