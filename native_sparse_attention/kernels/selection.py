@@ -83,7 +83,8 @@ labels every entry with its key, a stable sort groups them), and
   own entries, which made Triton's pipeliner issue the step's gathers only one step
   ahead and wait for every copy in flight at the top of each step. Loaded once per
   program instead, the entries leave the gathers free to go stages ahead: in 64-row
-  steps of four stages, the pass took 3.30 -> 2.70 ms (0.420 -> 0.361 ms at n = 8192).
+  steps of four stages, the pass took 3.30 -> 2.70 ms (0.420 -> 0.361 ms at n = 8192),
+  and 2.58 ms (0.315) once the masked steps took 64 rows as well.
   Chunks launch in the order of the first query they gather (``_chunk_position_kernel``),
   so that the programs running at the same time read q and dO rows of neighbouring
   queries: a working set that L2 holds
@@ -505,7 +506,7 @@ def _dkv_kernel(
     stride_doz, stride_doh, stride_don, stride_dod,
     N, HQ, HKV, HS, NUM_BLOCKS, NUM_KEYS, sm_scale,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
-    SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr, MASKED_M: tl.constexpr,
+    SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr,
     CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -516,8 +517,9 @@ def _dkv_kernel(
     ascend. Causal entries then query the block's own rows first, the only ones that see
     part of a tile; the steps after them skip the mask (at 32 heads on 2 kv heads, d = 64,
     n = 65536 on an H100, the mask took 0.5 of the pass's 4.4 ms). The masked steps take
-    MASKED_M rows (fewer than M when the entries are query-ordered), since their mask's
-    registers count against every step's.
+    M rows like the others: 16-row masked steps, which kept the mask's registers out of
+    a 128-register cap that the pass no longer has, took it from 2.58 to 2.77 ms there
+    (0.32 to 0.36-0.38 ms at n = 8192).
     The chunk's entries are loaded once, before the steps, so that a step's gathers
     depend on no load in the loop and Triton's pipeliner can issue them stages ahead;
     with each step loading its own entries, it issued the gathers one step ahead and
@@ -549,20 +551,18 @@ def _dkv_kernel(
             unmasked = end
         in_chunk = tl.arange(0, CHUNK_PAD)
         chunk_entries = tl.load(ENTRIES + start + in_chunk, mask=start + in_chunk < end, other=0)
-        MASKED_STEP: tl.constexpr = MASKED_M // ROWS_PER_ENTRY
         STEP: tl.constexpr = M // ROWS_PER_ENTRY
         scale2 = sm_scale * LOG2E
         dk = tl.zeros([FINE_N, D_PAD], tl.float32)
         dv = tl.zeros([FINE_N, D_PAD], tl.float32)
-        for e0 in range(start, unmasked, MASKED_STEP):
-            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, chunk_entries, start, e0, end, tl.arange(0, MASKED_M), z,
-                               pos, k, v,
-                               dk, dv,
+        for e0 in range(start, unmasked, STEP):
+            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, chunk_entries, start, e0, end, tl.arange(0, M), z, pos, k,
+                               v, dk, dv,
                                stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
                                stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
                                SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, True,
                                DOT_PRECISION)
-        for e0 in range(start + tl.cdiv(unmasked - start, MASKED_STEP) * MASKED_STEP, end, STEP):
+        for e0 in range(start + tl.cdiv(unmasked - start, STEP) * STEP, end, STEP):
             dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, chunk_entries, start, e0, end, tl.arange(0, M), z, pos, k,
                                v, dk, dv,
                                stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
@@ -1026,7 +1026,6 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             Q_ROWS=_row_layout(q),
             DO_ROWS=_row_layout(d_out),
             M=rows,
-            MASKED_M=max(rows_per_entry, MIN_ROWS) if query_ordered else rows,
             CHUNK=config.dkv_chunk,
             CHUNK_PAD=triton.next_power_of_2(config.dkv_chunk),
             DOT_PRECISION=precision,
