@@ -84,15 +84,14 @@ labels every entry with its key, a stable sort groups them), and
   ahead and wait for every copy in flight at the top of each step. Loaded once per
   program instead, the entries leave the gathers free to go stages ahead: in 64-row
   steps of four stages, the pass took 3.30 -> 2.70 ms (0.420 -> 0.361 ms at n = 8192),
-  and 2.58 ms (0.315) once the masked steps took 64 rows as well.
-  Chunks launch in the order of the first query they gather (``_chunk_position_kernel``),
-  so that the programs running at the same time read q and dO rows of neighbouring
-  queries: a working set that L2 holds
-  where whole q and dO tensors may not (at 32 heads on 2 kv heads, d = 64 and n = 65536,
-  5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query phase did not
-  pay: it cuts chunks short, and the atomic adds grow with their number. Nor did
-  computing dQ here as well, which would spare ``_dq_kernel``'s second gather of the
-  keys and values: a fifth dot per step plus a float32 atomic add of each entry's dQ
+  and 2.58 ms (0.315) once the masked steps took 64 rows as well. Chunks launch in the
+  order of the first query they gather (``_chunk_position_kernel``), so that the programs
+  running at the same time read q and dO rows of neighbouring queries: a working set
+  that L2 holds where whole q and dO tensors may not (at 32 heads on 2 kv heads, d = 64
+  and n = 65536, 5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query
+  phase did not pay: it cuts chunks short, and the atomic adds grow with their number.
+  Nor did computing dQ here as well, which would spare ``_dq_kernel``'s second gather of
+  the keys and values: a fifth dot per step plus a float32 atomic add of each entry's dQ
   rows made the pass 4.05 ms slower at the same configuration, close to the 4.5 ms that
   ``_dq_kernel`` takes, and packing the adds four to an instruction
   (``red.global.add.v4.f32``) did not change that.
@@ -508,7 +507,8 @@ def _dkv_kernel(
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr,
     CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the selection for one fine tile of one key block, from one chunk of the
     entries that attend the block, added to the float32 accumulators.
@@ -1012,8 +1012,6 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     if constexprs["NUM_SETS"]:
         table = _key_block_entries(problem, sel_idx, sel_mask)
         rows_per_entry = triton.next_power_of_2(hq // hs)
-        rows = max(config.dkv_rows, rows_per_entry)
-        query_ordered = hs == hk
         _dkv_kernel[(table.chunk_key.numel(), problem.block_size // problem.fine_n)](
             q, k, v, d_out, row_stats, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
             table.chunk_key, table.chunk_order, dk_acc, dv_acc,
@@ -1022,10 +1020,10 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
             **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
                                                     "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
             ROWS_PER_ENTRY=rows_per_entry,
-            QUERY_ORDERED=query_ordered,
+            QUERY_ORDERED=hs == hk,
             Q_ROWS=_row_layout(q),
             DO_ROWS=_row_layout(d_out),
-            M=rows,
+            M=max(config.dkv_rows, rows_per_entry),
             CHUNK=config.dkv_chunk,
             CHUNK_PAD=triton.next_power_of_2(config.dkv_chunk),
             DOT_PRECISION=precision,
