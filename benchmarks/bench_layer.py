@@ -242,7 +242,7 @@ def _triton_resources(name: str) -> tuple[int, int] | None:
 
 # Kernels that invert the selection for its dK / dV pass: the package's own and the
 # sorts, searches and scans of torch.sort / torch.searchsorted / cumsum.
-_INVERSION_KERNELS = ("_entry_keys_kernel", "_chunk_position_kernel")
+_INVERSION_KERNELS = ("_entry_keys_kernel", "_first_chunks_kernel", "_chunk_keys_kernel")
 _INVERSION_MARKERS = ("radix", "RadixSort", "searchsorted", "DeviceScan", "fill_reverse_indices")
 
 

@@ -330,6 +330,33 @@ def test_sliding_out_alone_defaults_to_block_size_window():
         assert_close_scaled(grad, ref_grad, tol, name)
 
 
+def assert_chunk_table(table, chunk: int):
+    """Key k's chunks are numbered from the chunks of the keys before it, and every chunk
+    maps back to its key, the spare ones to num_keys."""
+    chunks = (table.first_entry.diff() + chunk - 1) // chunk
+    assert (chunks > 1).any()
+    assert table.first_chunk.tolist() == [0] + chunks.cumsum(0).tolist()
+    owners = torch.repeat_interleave(torch.arange(table.num_keys), chunks.cpu())
+    spares = torch.full((table.chunk_key.numel() - owners.numel(),), table.num_keys)
+    assert table.chunk_key.tolist() == torch.cat((owners, spares)).tolist()
+    return chunks
+
+
+def test_dkv_chunk_table_skips_unselected_blocks():
+    """Blocks that no query selects own no chunk (non-causal: no own block either)."""
+    case = Case(b=2, hq=2, hk=1, n=64, d=16, num_slots=2, causal=False)
+    q, k, _, indices, fmask, _ = make_inputs(case, seed=4)
+    indices = torch.where(indices == 1, 0, indices)
+    problem = replace(
+        selection_kernels._problem(q, k, indices, True, case.block_size, False, None, 0.25),
+        config=LaunchConfig(dkv_chunk=4),
+    )
+    table = selection_kernels._key_block_entries(problem, indices.contiguous(), fmask.contiguous().view(torch.uint8),
+                                                 q.element_size())
+    chunks = assert_chunk_table(table, chunk=4)
+    assert (chunks == 0).sum() >= case.b
+
+
 def test_dkv_chunks_launch_by_first_query():
     """Program p of the dK / dV pass takes chunk ``chunk_order[p]``: every chunk once, the
     chunks of each (batch, kv head) together, ordered by the query of their first entry."""
@@ -339,8 +366,10 @@ def test_dkv_chunks_launch_by_first_query():
         selection_kernels._problem(q, k, indices, True, case.block_size, True, None, 0.25),
         config=LaunchConfig(dkv_chunk=4),
     )
-    table = selection_kernels._key_block_entries(problem, indices.contiguous(), fmask.contiguous().view(torch.uint8))
+    table = selection_kernels._key_block_entries(problem, indices.contiguous(), fmask.contiguous().view(torch.uint8),
+                                                 q.element_size())
     num_chunks = table.chunk_key.numel()
+    assert_chunk_table(table, chunk=4)
     assert sorted(table.chunk_order.tolist()) == list(range(num_chunks))
     launched = []
     for chunk in table.chunk_order.tolist():
@@ -355,6 +384,13 @@ def test_dkv_chunks_launch_by_first_query():
     real = [position for position in launched if position[0] != math.inf]
     assert len({head for head, _ in real}) == case.b * case.hk
     assert len({query for _, query in real}) > 1
+
+
+@pytest.mark.parametrize("name", ["block32_fine16_chunks", "per_query_head_fp16", "padded_rows_group2_sliding"])
+def test_dkv_chunks_in_key_order_match_reference(name, monkeypatch):
+    """Where q and dO fit in L2 a few times over, the chunks launch in key order."""
+    monkeypatch.setattr(selection_kernels, "_orders_chunks", lambda *_: False)
+    check_against_reference(CASES[name], monkeypatch=monkeypatch)
 
 
 def test_kernels_match_cpu_fallback(monkeypatch):

@@ -84,8 +84,9 @@ labels every entry with its key, a stable sort groups them), and
   ahead and wait for every copy in flight at the top of each step. Loaded once per
   program instead, the entries leave the gathers free to go stages ahead: in 64-row
   steps of four stages, the pass took 3.30 -> 2.70 ms (0.420 -> 0.361 ms at n = 8192),
-  and 2.58 ms (0.315) once the masked steps took 64 rows as well. Chunks launch in the
-  order of the first query they gather (``_chunk_position_kernel``), so that the programs
+  and 2.58 ms (0.315) once the masked steps took 64 rows as well. Where q and dO outgrow
+  L2 many times over, chunks launch in the order of the first query they gather
+  (``_chunk_keys_kernel``, ``_orders_chunks``), so that the programs
   running at the same time read q and dO rows of neighbouring queries: a working set
   that L2 holds where whole q and dO tensors may not (at 32 heads on 2 kv heads, d = 64
   and n = 65536, 5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query
@@ -145,7 +146,11 @@ ROWS_STRIDED = tl.constexpr(0)
 ROWS_HEADS_MAJOR = tl.constexpr(1)  # contiguous [Z, HQ, N, D]
 ROWS_TOKENS_MAJOR = tl.constexpr(2)  # a [Z, N, HQ, D] tensor with its head and token dims swapped
 ENTRY_KEYS_QUERIES = 64  # queries per program of _entry_keys_kernel
-CHUNK_POSITIONS = 1024  # chunks per program of _chunk_position_kernel
+CHUNK_KEYS_BLOCK = 1024  # chunks per program of _chunk_keys_kernel
+FIRST_CHUNK_KEYS = 1024  # keys per step of _first_chunks_kernel
+# The dK / dV chunks launch in query order only where q and dO together exceed this many
+# times L2 (see _orders_chunks).
+ORDERED_CHUNKS_MIN_L2_FILLS = 8
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -418,25 +423,53 @@ def _entry_keys_kernel(
 
 
 @triton.jit
-def _chunk_position_kernel(
-    ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, POSITION, NUM_CHUNKS, NUM_KEYS, N, NUM_BLOCKS,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+def _first_chunks_kernel(KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, NUM_KEYS, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: ``KEY_FIRST_CHUNK[k]``, the chunks of CHUNK entries of the keys before
+    key k, for k = 0 .. NUM_KEYS (the last: every chunk), from the keys' first entries."""
+    total = tl.zeros([], tl.int64)
+    for start in range(0, NUM_KEYS + 1, BLOCK):
+        key = start + tl.arange(0, BLOCK)
+        is_key = key < NUM_KEYS
+        first = tl.load(KEY_FIRST_ENTRY + key, mask=is_key, other=0)
+        count = tl.load(KEY_FIRST_ENTRY + key + 1, mask=is_key, other=0) - first
+        chunks = (count + CHUNK - 1) // CHUNK
+        tl.store(KEY_FIRST_CHUNK + key, total + tl.cumsum(chunks, 0) - chunks, mask=key <= NUM_KEYS)
+        total += tl.sum(chunks, 0)
+
+
+@triton.jit
+def _chunk_keys_kernel(
+    ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, POSITION, NUM_CHUNKS, NUM_KEYS, SEARCH_STEPS, N,
+    NUM_BLOCKS, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ORDERED: tl.constexpr,
 ):
-    """Launch position of BLOCK chunks: (z * HKV + kv_head) * N + the query of the chunk's
-    first entry; Z * HKV * N, past every chunk, for the spare ones."""
+    """The key of BLOCK chunks (NUM_KEYS for the spare ones past the last chunk), found by
+    a binary search of SEARCH_STEPS steps in KEY_FIRST_CHUNK; with ORDERED also their
+    launch position: (z * HKV + kv_head) * N + the query of the chunk's first entry, and
+    Z * HKV * N, past every chunk, for the spare ones."""
     chunk = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     exists = chunk < NUM_CHUNKS
-    key = tl.load(CHUNK_KEY + chunk, mask=exists, other=NUM_KEYS)
-    real = key < NUM_KEYS
-    first_entry = tl.load(KEY_FIRST_ENTRY + key, mask=real, other=0)
-    first_chunk = tl.load(KEY_FIRST_CHUNK + key, mask=real, other=0)
-    entry = first_entry + (chunk - first_chunk).to(tl.int64) * CHUNK
-    i = tl.load(ENTRIES + entry, mask=real, other=0) >> 32
-    head = (key // NUM_BLOCKS).to(tl.int64)
-    # Spare chunks (key NUM_KEYS) go after every real one. Scalar arguments equal to 1
-    # arrive as constexprs, hence no .to() on NUM_KEYS or N.
-    position = tl.where(real, head * N + i, (key // NUM_BLOCKS).to(tl.int64) * N)
-    tl.store(POSITION + chunk, position.to(POSITION.dtype.element_ty), mask=exists)
+    # The last key whose first chunk is at most `chunk`: lo's first chunk is <= chunk,
+    # hi's (NUM_KEYS + 1: past the end) above it.
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.full([BLOCK], NUM_KEYS + 1, tl.int32)
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        active = hi - lo > 1
+        below = tl.load(KEY_FIRST_CHUNK + mid, mask=active, other=0) <= chunk
+        lo = tl.where(active & below, mid, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    key = lo
+    tl.store(CHUNK_KEY + chunk, key, mask=exists)
+    if ORDERED:
+        real = key < NUM_KEYS
+        first_entry = tl.load(KEY_FIRST_ENTRY + key, mask=real, other=0)
+        first_chunk = tl.load(KEY_FIRST_CHUNK + key, mask=real, other=0)
+        entry = first_entry + (chunk - first_chunk).to(tl.int64) * CHUNK
+        i = tl.load(ENTRIES + entry, mask=real, other=0) >> 32
+        head = (key // NUM_BLOCKS).to(tl.int64)
+        # Scalar arguments equal to 1 arrive as constexprs, hence no .to() on N.
+        position = tl.where(real, head * N + i, head * N)
+        tl.store(POSITION + chunk, position.to(POSITION.dtype.element_ty), mask=exists)
 
 
 @triton.jit
@@ -507,8 +540,8 @@ def _dkv_kernel(
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr,
     CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, CHUNKS_ORDERED: tl.constexpr,
+    Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the selection for one fine tile of one key block, from one chunk of the
     entries that attend the block, added to the float32 accumulators.
@@ -525,8 +558,9 @@ def _dkv_kernel(
     with each step loading its own entries, it issued the gathers one step ahead and
     waited for every copy in flight at the top of each step (CHUNK_PAD: CHUNK rounded up
     to a power of two).
-    Q_ROWS, DO_ROWS: the memory layouts of q and dO (ROWS_*)."""
-    chunk = tl.load(CHUNK_ORDER + tl.program_id(0))
+    Q_ROWS, DO_ROWS: the memory layouts of q and dO (ROWS_*). CHUNKS_ORDERED: program p
+    takes chunk CHUNK_ORDER[p], else chunk p (``_KeyBlockEntries``)."""
+    chunk = tl.load(CHUNK_ORDER + tl.program_id(0)) if CHUNKS_ORDERED else tl.program_id(0)
     key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
     if key < NUM_KEYS:  # else a spare program past the last chunk
         z = key // (HKV * NUM_BLOCKS)
@@ -911,25 +945,34 @@ class _KeyBlockEntries:
     those without a valid key last; key k owns ``entries[first_entry[k]:first_entry[k + 1]]``,
     cut into chunks of ``chunk`` entries numbered from ``first_chunk[k]``;
     ``chunk_key[p]`` is the key of chunk p, or ``num_keys`` for the spare programs past
-    the last chunk; program p of ``_dkv_kernel`` takes chunk ``chunk_order[p]``.
+    the last chunk; program p of ``_dkv_kernel`` takes chunk ``chunk_order[p]``, or
+    chunk p where ``chunk_order`` is None (``_orders_chunks``).
     """
 
     entries: torch.Tensor
     first_entry: torch.Tensor
     first_chunk: torch.Tensor
     chunk_key: torch.Tensor
-    chunk_order: torch.Tensor
+    chunk_order: torch.Tensor | None
     num_keys: int
 
 
-def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor) -> _KeyBlockEntries:
-    """indices, fmask: the contiguous [b, hs, n, sel] operands of the kernels.
+def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor,
+                       element_size: int) -> _KeyBlockEntries:
+    """indices, fmask: the contiguous [b, hs, n, sel] operands of the kernels;
+    ``element_size``: bytes per element of q and dO.
 
     Inverts the selection on the device, without a host synchronisation: the grid of
     _dkv_kernel is an upper bound on the number of chunks, known from the shapes. One
-    kernel labels the entries, a dozen ops finish the table and one more kernel and a
-    sort give the chunks' launch order: below ~16k tokens the backward is bound by the
-    host's launches, not by the GPU.
+    kernel labels the entries, a sort groups them by key, a search finds each key's first
+    entry, and two small kernels number the chunks and find each chunk's key (and
+    position, where a second sort then gives the launch order). Few launches matter here:
+    below ~16k tokens an eager backward is bound by the host's launches, and a replayed
+    one pays a few microseconds for each. At 32 heads on 2 kv heads, random selections,
+    n = 8192 on an H100, the inversion took 52 us in 16 kernels against 83 us in 29 when
+    eight elementwise, scan and search ops built the table and the chunks were always
+    ordered (the backward 1.27 -> 1.25 ms); at 65536, where they still are, 211-218
+    against 218 us.
     """
     b, hs, n, device = problem.batch, problem.selection_heads, problem.seq_len, indices.device
     constexprs = problem.constexprs
@@ -949,20 +992,39 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     sorted_keys, order = torch.sort(keys.flatten(), stable=True)
     first_entry = torch.searchsorted(sorted_keys, torch.arange(num_keys + 1, dtype=key_dtype, device=device))
     chunk = problem.config.dkv_chunk
-    chunks = (first_entry.diff() + chunk - 1) // chunk
-    chunk_end = chunks.cumsum(0)
-    max_chunks = triton.cdiv(keys.numel(), chunk) + num_keys
-    chunk_key = torch.searchsorted(chunk_end, torch.arange(max_chunks, device=device), right=True, out_int32=True)
-    first_chunk = chunk_end - chunks
+    first_chunk = torch.empty(num_keys + 1, dtype=torch.int64, device=device)
+    _first_chunks_kernel[(1,)](first_entry, first_chunk, num_keys, CHUNK=chunk, BLOCK=FIRST_CHUNK_KEYS)
     entries = entries.flatten()[order]
+    max_chunks = triton.cdiv(keys.numel(), chunk) + num_keys
+    chunk_key = torch.empty(max_chunks, dtype=torch.int32, device=device)
+    ordered = _orders_chunks(problem, element_size, device)
     position_dtype = torch.int32 if b * problem.kv_heads * n < torch.iinfo(torch.int32).max else torch.int64
-    position = torch.empty(max_chunks, dtype=position_dtype, device=device)
-    _chunk_position_kernel[(triton.cdiv(max_chunks, CHUNK_POSITIONS),)](
-        entries, first_entry, first_chunk, chunk_key, position, max_chunks, num_keys, n, problem.num_blocks,
+    position = torch.empty(max_chunks if ordered else 0, dtype=position_dtype, device=device)
+    _chunk_keys_kernel[(triton.cdiv(max_chunks, CHUNK_KEYS_BLOCK),)](
+        entries, first_entry, first_chunk, chunk_key, position if ordered else chunk_key, max_chunks, num_keys,
+        num_keys.bit_length(), n, problem.num_blocks,
         CHUNK=chunk,
-        BLOCK=CHUNK_POSITIONS,
+        BLOCK=CHUNK_KEYS_BLOCK,
+        ORDERED=ordered,
     )
-    return _KeyBlockEntries(entries, first_entry, first_chunk, chunk_key, position.argsort(), num_keys)
+    return _KeyBlockEntries(entries, first_entry, first_chunk, chunk_key, position.argsort() if ordered else None,
+                            num_keys)
+
+
+def _orders_chunks(problem: _Problem, element_size: int, device: torch.device) -> bool:
+    """Whether the dK / dV chunks launch in the order of their first query, so that the
+    programs running together gather neighbouring q and dO rows, which L2 then holds.
+    That pays only where q and dO outgrow L2 many times over: at 32 heads on 2 kv heads,
+    d = 64, bf16, random selections on an H100 (50 MB of L2), the pass took 2.63 against
+    2.68-2.71 ms in key order at n = 65536 (q and dO 537 MB) and 1.300-1.306 against
+    1.306-1.314 ms at 32768, and lost at most 0.015 ms in key order at 16384 and 8192,
+    while the sort that orders them takes 0.02-0.04 ms. The interpreter always orders
+    them (the tests cover both orders)."""
+    if device.type != "cuda":
+        return True
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+    q_and_do_bytes = 2 * problem.batch * problem.query_heads * problem.seq_len * problem.head_dim * element_size
+    return q_and_do_bytes > ORDERED_CHUNKS_MIN_L2_FILLS * l2_bytes
 
 
 def _backward(problem: _Problem, saved, d_out, d_swa_out):
@@ -1010,17 +1072,19 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
     dk_acc, dv_acc = torch.zeros((2, b, hk, n, d), dtype=torch.float32, device=q.device)
     constexprs = problem.constexprs
     if constexprs["NUM_SETS"]:
-        table = _key_block_entries(problem, sel_idx, sel_mask)
+        table = _key_block_entries(problem, sel_idx, sel_mask, q.element_size())
+        ordered = table.chunk_order is not None
         rows_per_entry = triton.next_power_of_2(hq // hs)
         _dkv_kernel[(table.chunk_key.numel(), problem.block_size // problem.fine_n)](
             q, k, v, d_out, row_stats, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
-            table.chunk_key, table.chunk_order, dk_acc, dv_acc,
+            table.chunk_key, table.chunk_order if ordered else table.chunk_key, dk_acc, dv_acc,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
             n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
             **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
                                                     "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
             ROWS_PER_ENTRY=rows_per_entry,
             QUERY_ORDERED=hs == hk,
+            CHUNKS_ORDERED=ordered,
             Q_ROWS=_row_layout(q),
             DO_ROWS=_row_layout(d_out),
             M=max(config.dkv_rows, rows_per_entry),
