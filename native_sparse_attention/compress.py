@@ -15,6 +15,7 @@ independent copy for keys and for values.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
@@ -25,6 +26,44 @@ __all__ = [
     "GroupedCompressMLP",
     "TransformerCompress",
 ]
+
+
+def sliding_windows(t: torch.Tensor, size: int, stride: int) -> torch.Tensor:
+    """t: [b, h, n, d] -> its complete windows ``t[:, :, w * stride : w * stride + size]``,
+    [b, h, w, size, d]: a view of t in eager mode, a new tensor when compiled.
+
+    Compiled, unfold's backward becomes a zero fill and a scatter of atomic adds (0.06 ms
+    of the layer benchmark's step at n = 65536 on an H100), so windows made of whole
+    strides take a backward that gathers each stride's gradient from the ``size // stride``
+    windows holding it; eager mode keeps unfold and its native backward kernel.
+    """
+    if torch.compiler.is_compiling() and size % stride == 0 and t.shape[2] >= size:
+        return _TiledWindows.apply(t, size, stride)
+    return rearrange(t.unfold(2, size, stride), "b h w d t -> b h w t d")
+
+
+class _TiledWindows(torch.autograd.Function):
+    """``sliding_windows`` for windows of whole strides. The forward copies: returned as a
+    view of the input, a compiled graph's output got a wrong gradient (torch 2.13), while
+    inside a graph the copy fuses with whatever reads the windows."""
+
+    @staticmethod
+    def forward(t: torch.Tensor, size: int, stride: int) -> torch.Tensor:
+        return rearrange(t.unfold(2, size, stride), "b h w d t -> b h w t d").contiguous()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        t, ctx.size, ctx.stride = inputs
+        ctx.length = t.shape[2]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        windows = grad.shape[2]
+        # Stride j of window w is stride w + j of t: shift each window part into place.
+        parts = rearrange(grad, "b h w (j s) d -> j b h (w s) d", s=ctx.stride)
+        dt = sum(F.pad(part, (0, 0, j * ctx.stride, ctx.length - (windows + j) * ctx.stride))
+                 for j, part in enumerate(parts))
+        return dt, None, None
 
 
 def _hidden_size(block_size: int, dim_head: int, expand_factor: float) -> int:

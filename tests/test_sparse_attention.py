@@ -17,6 +17,7 @@ from native_sparse_attention import (
     SparseAttentionCache,
     TransformerCompress,
 )
+from native_sparse_attention.compress import sliding_windows
 
 DIM, DIM_HEAD, HEADS = 32, 8, 4
 
@@ -176,6 +177,22 @@ def test_every_parameter_gets_a_finite_gradient(compressor, use_diff_topk):
         assert parameter.grad is not None, name
         assert torch.isfinite(parameter.grad).all(), name
         assert parameter.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("length, size, stride", [(37, 4, 2), (40, 8, 4), (24, 8, 8), (30, 6, 4), (8, 8, 4)])
+def test_compiled_sliding_windows_match_unfold_with_gradients(length, size, stride):
+    """Compiled, whole-stride windows take their own backward (a sum of shifted slices),
+    others unfold's: both must match unfold, the positions past the last window included,
+    also where the windows are the graph's output."""
+    t = torch.randn(2, 3, length, 5, dtype=torch.float64, requires_grad=True)
+    expected = t.unfold(2, size, stride).transpose(-1, -2)
+    grad = torch.randn_like(expected)
+    (expected_grad,) = torch.autograd.grad(expected, t, grad)
+    compiled = torch.compile(sliding_windows, fullgraph=True)
+    for windows in (sliding_windows(t, size, stride), compiled(t, size, stride)):
+        assert torch.equal(windows, expected)
+        (t_grad,) = torch.autograd.grad(windows, t, grad)
+        torch.testing.assert_close(t_grad, expected_grad, rtol=0, atol=1e-12)
 
 
 def test_compressors_are_independent_for_keys_and_values():
