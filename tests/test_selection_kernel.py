@@ -228,6 +228,14 @@ CASES = {
     # are masked and the band spans a key tile's 15 steps.
     "window_band_dkv_group3_non_causal": Case(hq=6, hk=2, n=75, d=16, num_slots=2, causal=False, window=21,
                                               launch=(("window_block_n", 16), ("window_block_m", 16))),
+    # Windows of several key tiles: tiles of 8 positions (group 2) see 3-4 key tiles of
+    # 16, whose inner ones run without masks in the forward and dQ.
+    "window_inner_key_tiles": Case(hq=4, hk=2, n=90, d=16, num_slots=2, window=40,
+                                   launch=(("window_rows", 16), ("window_n", 16), ("window_dq_rows", 16),
+                                           ("window_dq_n", 16))),
+    "window_inner_key_tiles_non_causal": Case(hq=4, hk=2, n=77, d=16, num_slots=2, causal=False, window=33,
+                                              launch=(("window_rows", 16), ("window_n", 16), ("window_dq_rows", 16),
+                                                      ("window_dq_n", 16))),
     # The 2-byte default up to d = 64: the window tiles in a launch of their own.
     "window_own_launch_fp16_group4": Case(hq=8, hk=2, n=43, d=32, num_slots=2, window=13, dtype=torch.float16),
     "window_tiles_non_causal_group3": Case(hq=3, hk=1, n=30, d=16, num_slots=2, causal=False, window=7,
@@ -254,6 +262,8 @@ CONTINUATIONS = {
     "chunk_window_tiles_group3": (Case(hq=6, hk=2, n=37, d=16, num_slots=2, window=9,
                                        launch=(("window_rows", 16), ("window_n", 16))), 14),
     "non_causal_chunk": (Case(hq=2, hk=1, n=40, d=16, causal=False, window=7), 25),
+    "chunk_window_inner_key_tiles": (Case(hq=4, hk=2, n=90, d=16, num_slots=2, window=40,
+                                          launch=(("window_rows", 16), ("window_n", 16))), 37),
 }
 
 

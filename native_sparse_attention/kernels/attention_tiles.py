@@ -55,10 +55,12 @@ def softmax_tile(q, k, v, visible, logit_scale, m_i, l_i, acc, DOT_PRECISION: tl
     """One online-softmax step of a [ROWS, D_PAD] query tile over a [KEYS, D_PAD] tile of
     keys ``k`` and values ``v``.
 
-    ``visible``: [ROWS or 1, KEYS]; ``logit_scale`` turns q.k into base-2 logits.
+    ``visible``: [ROWS or 1, KEYS], or None where every key is visible to every row;
+    ``logit_scale`` turns q.k into base-2 logits.
     """
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * logit_scale
-    s = tl.where(visible, s, float("-inf"))
+    if visible is not None:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
