@@ -84,7 +84,19 @@ class CompressMLP(nn.Module):
 
     def forward(self, windows: torch.Tensor) -> torch.Tensor:
         """windows: [b, h, w, block_size, d] -> [b, h, w, d]"""
-        return self.net(rearrange(windows, "b h w t d -> b h w (t d)"))
+        flat = rearrange(windows, "b h w t d -> b h w (t d)")
+        first, activation, second = self.net
+        if not flat.is_cuda or type(activation) is not nn.ReLU:
+            return self.net(flat)
+        # On CUDA, one autograd node with the ReLU fused into both passes
+        # (kernels/compress_mlp.py), in the dtype autocast would give the Linear layers.
+        from native_sparse_attention.kernels.compress_mlp import relu_mlp
+
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else flat.dtype
+        params = (first.weight, first.bias, second.weight, second.bias)
+        rows = flat.reshape(-1, flat.shape[-1]).to(dtype).contiguous()
+        out = relu_mlp(rows, *(p.to(dtype).contiguous() for p in params))
+        return out.view(*flat.shape[:-1], out.shape[-1])
 
 
 class GroupedCompressMLP(nn.Module):
