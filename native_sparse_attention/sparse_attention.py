@@ -484,10 +484,14 @@ class SparseAttention(nn.Module):
         """The gate logits [b, n, 3 * h] -> the branches' gates [3, b, h, n] (compressed,
         selected, sliding)."""
         _, to_branches_first, sigmoid = self.to_gates
-        # Stored branch-major before the sigmoid, the layout of the LSEs the gates are folded
-        # into (gate_combine): compiled, a sigmoid computed through the rearranged view
-        # moved 6 of every 192 bytes it read (0.07 ms at n = 65536 on an H100).
-        gates = sigmoid(to_branches_first(logits).contiguous()).squeeze(-1)
+        logits = to_branches_first(logits)
+        if torch.compiler.is_compiling():
+            # Stored branch-major, the layout of the LSEs the gates are folded into
+            # (gate_combine), by the kernel that takes the sigmoid: compiled, a sigmoid
+            # computed through the rearranged view moved 6 of every 192 bytes it read
+            # (0.07 ms at n = 65536 on an H100). Eager steps would pay a copy's launch.
+            logits = logits.contiguous()
+        gates = sigmoid(logits).squeeze(-1)
         if self.recorder is not None:
             self._record(gates=gates)
         return gates
