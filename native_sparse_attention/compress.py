@@ -5,7 +5,8 @@ tokens per head, intra-block position embeddings already added) and returns
 ``[b, h, w, d]``. Pass one as ``SparseAttention(compress_mlp=...)``; the layer makes an
 independent copy for keys and for values.
 
-- ``CompressMLP``: one MLP over the flattened window, shared by all heads (the default).
+- ``CompressMLP``: one MLP over the flattened window, shared by all heads (the default);
+  on CUDA one autograd node (``kernels/compress_mlp.py``).
 - ``GroupedCompressMLP``: the same with separate weights per kv head.
 - ``ConvCompress``: a per-head convolution whose kernel spans the window.
 - ``AttentionPoolCompress``: softmax-weighted pooling with learned, content-dependent scores.
@@ -92,7 +93,8 @@ class CompressMLP(nn.Module):
         # (kernels/compress_mlp.py), in the dtype autocast would give the Linear layers.
         from native_sparse_attention.kernels.compress_mlp import relu_mlp
 
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else flat.dtype
+        autocast = torch.is_autocast_enabled("cuda") and flat.dtype != torch.float64  # autocast leaves float64
+        dtype = torch.get_autocast_dtype("cuda") if autocast else flat.dtype
         params = (first.weight, first.bias, second.weight, second.bias)
         rows = flat.reshape(-1, flat.shape[-1]).to(dtype).contiguous()
         out = relu_mlp(rows, *(p.to(dtype).contiguous() for p in params))
