@@ -182,16 +182,23 @@ def _query_key_ranges(m_start, M, Q_START, NUM_MEM, NC, CBS, STRIDE, BLOCK_M: tl
 @triton.jit
 def _online_softmax_step(acc, m_i, l_i, q, k, v, key_start, key_limit, qk_scale,
                          BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Folds one key tile into the running (acc, row max, row sum), all in base 2."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    """Folds one key tile into the running (acc, row max, row sum), all in base 2.
+
+    The row max is taken over the unscaled q.k (qk_scale > 0), so that each logit's
+    exponent argument is one fused multiply-add: 30 of the key loop's 334 instructions
+    fewer, and 2.73 -> 2.62 ms at the layer benchmark's n = 65536 on an H100. The same
+    order in ``attention_tiles.softmax_tile`` made the window's and the selection's
+    forward launch slower (5.49 -> 5.97 ms), which keeps the scaled logits.
+    """
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASKED:
         cols = key_start + tl.arange(0, BLOCK_N)
-        s = tl.where(cols[None, :] < key_limit[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+        qk = tl.where(cols[None, :] < key_limit[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     # A row that has seen no key keeps max -inf; exponentiate against 0 to avoid NaN.
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_base)
-    p = tl.exp2(s - m_base[:, None])
+    p = tl.exp2(qk * qk_scale - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
