@@ -343,12 +343,19 @@ def _dq_kernel(
     for t in range(0, NUM_SETS * TILES_PER_BLOCK):
         k, v, key_ok, multiplier = _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, sets, t, offs_n,
                                              key_end, BLOCK_SIZE, FINE_N, D_PAD)
-        dq, dmult = dq_tile(q, do, lse2, delta, k, v, key_ok[None, :], scale2 * multiplier, sm_scale * multiplier, dq,
-                            DOT_PRECISION)
-        dsel += tl.where(sets == t // TILES_PER_BLOCK, dmult, 0.0)
+        if HAS_SEL_SCALE:
+            dq, dmult = dq_tile(q, do, lse2, delta, k, v, key_ok[None, :], scale2 * multiplier,
+                                sm_scale * multiplier, dq, DOT_PRECISION)
+            dsel += tl.where(sets == t // TILES_PER_BLOCK, dmult, 0.0)
+        else:
+            # Without multipliers d(logit)/d(q.k) is sm_scale for every tile: dQ takes it
+            # once, after the loop, instead of a multiply per score.
+            dq, _ = dq_tile(q, do, lse2, delta, k, v, key_ok[None, :], scale2, 1.0, dq, DOT_PRECISION)
     if HAS_SEL_SCALE:
         slot = sets - (NUM_SETS - SEL)
         tl.store(DSEL + sel_row + slot, dsel * sm_scale, mask=(slot >= 0) & (slot < SEL))
+    else:
+        dq *= sm_scale
     if SLIDING:
         dq += load_tile(DQ_WINDOW, out_rows, row_ok, offs_d, d_ok, 1)
     tl.store(DQ + out_rows[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -529,14 +536,16 @@ def _dkv_step(
     if HAS_SEL_SCALE:
         multiplier = tl.load(SEL_SCALE + slot_offset, mask=row_ok & (slot_offset >= 0), other=1.0)
         multiplier = multiplier.to(tl.float32)
+        logit_scale, ds_scale = scale2 * multiplier, sm_scale * multiplier
     else:
-        multiplier = 1.0
+        # sm_scale is applied to the chunk's dK once, by the caller.
+        logit_scale, ds_scale = scale2, 1.0
     if MASKED:
         # A key is visible to the rows at or after it; rows past the chunk see none.
         visible = pos[:, None] <= tl.where(row_ok, i, -1)[None, :]
     else:
         visible = True  # the select on a constant folds away
-    return dkv_tile(k, v, q, do, lse2, delta, visible, scale2 * multiplier, sm_scale * multiplier, dk, dv,
+    return dkv_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv,
                     DOT_PRECISION)
 
 
@@ -615,6 +624,8 @@ def _dkv_kernel(
                                stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
                                SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, False,
                                DOT_PRECISION)
+        if not HAS_SEL_SCALE:
+            dk *= sm_scale
         acc = dense_rows(z, kv_head, pos, HKV, N, D)[:, None] + offs_d[None, :]
         mask = key_ok[:, None] & d_ok[None, :]
         tl.atomic_add(DK_ACC + acc, dk, mask=mask, sem="relaxed")

@@ -239,7 +239,8 @@ def window_dq_kernel(
         pos = start + offs_n
         k, v = _key_tiles(K_TILES, V_TILES, z, kv_head, start, WINDOW_N, D_PAD)
         visible = _in_window(i, pos, WINDOW, CAUSAL) & (pos < hi)[None, :]
-        dq, _ = dq_tile(q, do, lse2, delta, k, v, visible, sm_scale * LOG2E, sm_scale, dq, DOT_PRECISION)
+        dq, _ = dq_tile(q, do, lse2, delta, k, v, visible, sm_scale * LOG2E, 1.0, dq, DOT_PRECISION)
+    dq *= sm_scale  # d(logit)/d(q.k), once instead of per score
     tl.store(DQ_WINDOW + out_rows[:, None] + offs_d[None, :], dq.to(DQ_WINDOW.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
