@@ -336,7 +336,8 @@ def test_selection_chunks_of_32_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("programs, row_tiles, splits", [
-    (160, 128, 4),   # the layer benchmark's 8k: 160 (head, key tile) programs, 528 wanted
+    (160, 128, 2),   # the layer benchmark's 8k: 160 (head, key tile) programs, 264 wanted
+    (288, 512, 1),   # its 16k: 288 programs already fill two per SM
     (96, 2, 2),      # no more shares than query tiles
     (1024, 1024, 1),  # a long sequence fills the GPU unsplit
     (0, 1, 1),       # no compressed key: nothing to launch, one (empty) share
