@@ -58,7 +58,9 @@ and launching them first shortens the tail of the grid.
 The exponentials stay on the hardware ``exp2``: computing all or half of them as a
 polynomial on the FMA units (FlashAttention-4's trick against a saturated MUFU) made the
 forward 1.4x (1.2x) and the selection 1.5x (1.25x) slower at the layer benchmark's
-n = 65536 on an H100; the kernels are not bound by the exponentials.
+n = 65536 on an H100, and computing them in pairs in half precision (``ex2.approx.f16x2``
+and its conversions) made dK / dV 5.06 -> 6.54 ms: the kernels are not bound by the
+exponentials' throughput.
 
 The attention kernels load their q / dO / key / value tiles through TMA tensor
 descriptors (``_load_tile``), which also need no load masks: in the layer at n = 65536
