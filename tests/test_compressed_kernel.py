@@ -350,6 +350,25 @@ def test_dkdv_query_splits_fill_the_gpu(monkeypatch, programs, row_tiles, splits
     assert compressed._dkdv_query_splits(programs, row_tiles, torch.device("cuda")) == splits
 
 
+@pytest.mark.parametrize("parts, kv_heads, group, size, dtype", [
+    (1, 2, 16, 300, torch.float32),  # one share; the last block of elements partly past the end
+    (3, 1, 4, 1030, torch.float16),
+])
+def test_dkdv_partials_sum_like_float64(parts, kv_heads, group, size, dtype):
+    gen = torch.Generator().manual_seed(parts * 1000 + size)
+    dk_part, dv_part = torch.randn(2, parts, kv_heads, group, size, generator=gen).to(DEVICE)
+    dk = compressed._allocate((kv_heads, size), dtype, DEVICE)
+    dv = compressed._allocate((kv_heads, size), dtype, DEVICE)
+    block = 256
+    compressed._sum_partials_kernel[(kv_heads, -(-size // block), 2)](
+        dk_part, dv_part, dk, dv, size, PARTS=parts, GROUP=group, BLOCK=block,
+    )
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    for partials, total in ((dk_part, dk), (dv_part, dv)):
+        expected = partials.double().sum((0, 2)).to(dtype)
+        torch.testing.assert_close(total.double(), expected.double(), **tolerance)
+
+
 def test_float16_and_strided_inputs():
     check_against_reference(1, 4, 2, 48, 32, 8, 4, 1, 16, 3, True, True, dtype=torch.float16,
                             heads_last=True)
