@@ -97,8 +97,10 @@ def dq_tile(q, do, lse2, delta, k, v, visible, logit_scale, ds_scale, dq, DOT_PR
     values ``v``.
 
     ``visible``: [ROWS or 1, KEYS]; ``logit_scale`` turns q.k into base-2 logits,
-    ``ds_scale`` is d(logit)/d(q.k). Returns the updated dQ accumulator and
-    sum(dL/dlogit * q.k), the tile's dL/d(multiplier) up to the factor sm_scale.
+    ``ds_scale`` is d(logit)/d(q.k), or 1.0 where it is the same for every tile and the
+    caller scales the finished accumulator instead (a multiply per score fewer). Returns
+    the updated dQ accumulator and sum(dL/dlogit * q.k), the tile's dL/d(multiplier) up
+    to the factor sm_scale.
     """
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     p = tl.where(visible, tl.exp2(qk * logit_scale - lse2[:, None]), 0.0)
