@@ -15,7 +15,7 @@ import torch
 
 from native_sparse_attention import SparseAttention
 from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection  # noqa: F401 (registration)
-from native_sparse_attention.kernels.library import NAMESPACE, dot_precision
+from native_sparse_attention.kernels.library import NAMESPACE, dot_precision, side_by_side
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -74,6 +74,63 @@ def test_compressed_operators(share_selection, tokens_major):
     for dout, dscores in ((torch.randn_like(out), torch.randn_like(scores)), (None, torch.randn_like(scores))):
         backward_inputs = (dout, dscores, q, ck, cv, out, lse, indices, mask, *geometry)
         torch.library.opcheck(OPS.compressed_attend_and_select_backward, backward_inputs, test_utils=CHECKS)
+
+
+def test_gated_branches_backward_operator():
+    """The three branches' backward as one operator (the compressed one's launches on a
+    side stream on CUDA) against the two operators it runs."""
+    q = _randn(1, 40, 2, 16).transpose(1, 2)
+    ck, cv = _randn(1, 1, 11, 16), _randn(1, 1, 11, 16)
+    rq, rk, v = _randn(1, 2, 40, 16), _randn(1, 1, 40, 16), _randn(1, 1, 40, 16)
+    compressed_options, selection_options = (8, 4, 1, True, 0.25, 16, 2, True), (16, True, 8, 0.25)
+    out_c, lse_c, indices, mask, _ = OPS.compressed_attend_and_select(q, ck, cv, *compressed_options)
+    out_s, lse_s, out_w, lse_w, _ = OPS.selection_forward(rq, rk, v, indices, mask, None, *selection_options)
+    d_out = _randn(1, 40, 2, 16).transpose(1, 2)
+    inputs = (d_out, q, ck, cv, out_c, lse_c, rq, rk, v, indices, mask, out_s, lse_s, out_w, lse_w,
+              *compressed_options, *selection_options)
+    torch.library.opcheck(OPS.gated_branches_backward, inputs, test_utils=CHECKS)
+    grads = OPS.gated_branches_backward(*inputs)
+    expected = (*OPS.compressed_attend_and_select_backward(d_out, None, q, ck, cv, out_c, lse_c, indices, mask,
+                                                           *compressed_options),
+                *[t for i, t in enumerate(OPS.selection_backward(rq, rk, v, indices, mask, None, out_s, lse_s, out_w,
+                                                                lse_w, d_out, d_out, *selection_options)) if i != 3])
+    assert len(grads) == len(expected) == 9
+    for got, want in zip(grads, expected):  # the selection's dK / dV sums in any order on a GPU
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="streams need CUDA")
+def test_side_by_side_forks_and_joins_streams():
+    """The side work sees what was queued before the fork, the caller's stream what it
+    wrote, and a nested call gets a stream of its own."""
+    x = torch.zeros(1 << 24, device=DEVICE)
+    x.add_(1.0)
+    caller = torch.cuda.current_stream()
+    streams = {}
+
+    def side():
+        streams["side"] = torch.cuda.current_stream()
+        streams["nested"], _ = side_by_side(DEVICE, torch.cuda.current_stream, lambda: None)
+        return x * 2
+
+    def main():
+        streams["main"] = torch.cuda.current_stream()
+        return x + 2
+
+    doubled, shifted = side_by_side(DEVICE, side, main)
+    total = doubled + shifted  # on the caller's stream, after the join
+    assert torch.all(total == 5.0)
+    assert streams["main"] == caller and streams["side"] != caller
+    assert streams["nested"] not in (caller, streams["side"])
+    assert torch.cuda.current_stream() == caller
+
+
+def test_side_by_side_runs_both_in_turn_without_cuda():
+    order = []
+    assert side_by_side(torch.device("cpu"), lambda: order.append("side") or 1,
+                        lambda: order.append("main") or 2) == (1, 2)
+    assert order == ["side", "main"]
 
 
 def test_rotary_and_gate_operators():

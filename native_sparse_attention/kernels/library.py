@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +27,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["NAMESPACE", "launcher_op", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
+__all__ = ["NAMESPACE", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
            "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer", "dot_precision"]
 
 NAMESPACE = "native_sparse_attention"
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 # The launchers read any strides, and the fakes derive their outputs' layouts from the
@@ -82,6 +86,50 @@ def launcher_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
         return call
 
     return register
+
+
+class _SideStreams(threading.local):
+    """Per thread: the side streams by (device, nesting level), and the level of the
+    ``side_by_side`` calls in progress."""
+
+    def __init__(self):
+        self.streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+        self.level = 0
+
+
+_SIDE_STREAMS = _SideStreams()
+
+
+def side_by_side(device: torch.device, side: Callable[[], T], main: Callable[[], U]) -> tuple[T, U]:
+    """``(side(), main())``, with ``side``'s kernels on a stream of their own on CUDA, so
+    that the two launch sequences share the GPU: each one's short launches and the tails
+    of its grids leave SMs idle that the other's programs take.
+
+    The side stream starts after all work queued so far and the current stream waits for
+    it before anything queued after: inside a CUDA graph's capture both branches are
+    captured, as a fork and a join. Calls nested in ``main`` or ``side`` take another
+    stream, so that their side work does not queue behind this call's. Tensors that
+    ``side`` allocates belong to its stream's pool; freed later, they are reused only by
+    later work on that stream, which is queued after every kernel queued before that
+    work's fork, so no kernel still reading them is overtaken.
+    """
+    if device.type != "cuda":
+        return side(), main()
+    key = (device, _SIDE_STREAMS.level)
+    stream = _SIDE_STREAMS.streams.get(key)
+    if stream is None:
+        stream = _SIDE_STREAMS.streams[key] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    _SIDE_STREAMS.level += 1
+    try:
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            side_result = side()
+        main_result = main()
+        current.wait_stream(stream)
+    finally:
+        _SIDE_STREAMS.level -= 1
+    return side_result, main_result
 
 
 def is_tokens_major(t: torch.Tensor) -> bool:
