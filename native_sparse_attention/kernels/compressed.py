@@ -50,7 +50,8 @@ replay (the query position read on the device), the forward and the selection sp
 query tile's key tiles (chunks of selection blocks) among the programs of grid axis 2,
 each leaving a partial result: (output, LSE) for ``_merge_partial_outputs_kernel``, a
 top-n for ``_merge_partial_tops_kernel``. At 64k cached tokens on an H100 this took a
-layer's replayed decoding step from 0.51 to 0.23 ms.
+layer's replayed decoding step from 0.51 to 0.23 ms. Training-time selections of too few
+programs to fill the GPU split their chunks the same way (``_select_splits``).
 
 Programs walk query tiles last-to-first: in causal mode the last tiles see the most keys,
 and launching them first shortens the tail of the grid.
@@ -855,6 +856,15 @@ _SUM_BLOCK = 256
 # Forward programs per SM that splitting a few queries' work aims for (_few_rows_splits),
 # and the most shares of one query tile's work.
 _FEW_ROWS_PROGRAMS_PER_SM = 2
+# Training-time block selections of too few (selection head, query tile) programs to fill
+# the GPU split each tile's chunks the same way, for these many programs per SM, at most
+# _MAX_SELECT_SPLITS shares. At the layer benchmark's n = 8192 on an H100 (256 programs:
+# one wave, each as long as its row) the selection took 0.096 -> 0.076 ms plus 0.006 for
+# the merge; aiming for 4 programs per SM split n = 16384 too, 0.196 -> 0.218 ms.
+_SELECT_PROGRAMS_PER_SM = 2
+_MAX_SELECT_SPLITS = 4
+# Rows per program of the partial tops' merge.
+_MERGE_ROWS = 64
 _MAX_FEW_ROWS_SPLITS = 32
 
 
@@ -902,6 +912,14 @@ def _few_rows_splits(rows: int, programs: int, parts: int, device: torch.device)
         return 1
     wanted = triton.cdiv(_FEW_ROWS_PROGRAMS_PER_SM * _multiprocessors(device), max(programs, 1))
     return max(1, min(parts, wanted, _MAX_FEW_ROWS_SPLITS))
+
+
+def _select_splits(programs: int, chunks: int, device: torch.device) -> int:
+    """Shares of each query tile's chunks for a training-time selection launch of
+    ``programs`` (selection head, query tile) pairs whose longest row has ``chunks``
+    chunks: enough for _SELECT_PROGRAMS_PER_SM programs per SM."""
+    wanted = triton.cdiv(_SELECT_PROGRAMS_PER_SM * _multiprocessors(device), max(programs, 1))
+    return max(1, min(chunks, wanted, _MAX_SELECT_SPLITS))
 
 
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -1090,9 +1108,11 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
         num_tokens = (num_keys - geo.num_mem) * geo.compress_stride + geo.compress_block_size
     num_blocks = num_selection_blocks(num_tokens, geo.selection_block_size)
     tops = (b * hs, triton.cdiv(n, tiles.block_m))
-    splits = 1
-    if position is not None:
-        splits = _few_rows_splits(n, math.prod(tops), triton.cdiv(num_blocks, s_step), q.device)
+    chunks = triton.cdiv(num_blocks, s_step)
+    if position is None:
+        splits = _select_splits(math.prod(tops), chunks, q.device)
+    else:
+        splits = _few_rows_splits(n, math.prod(tops), chunks, q.device)
     # At least 2: triton 3.6 fails to compile tl.topk(x, 1) of a single-row x, the merge
     # of a one-query step's partial tops.
     topn_pad = max(2, triton.next_power_of_2(geo.num_selected))
@@ -1114,11 +1134,11 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
     )
     if splits > 1:
         # Rows of their own, not the scoring tile's: a decoding step's merge is one row.
-        merge_rows = triton.next_power_of_2(n)
+        merge_rows = min(triton.next_power_of_2(n), _MERGE_ROWS)
         _merge_partial_tops_kernel[(b * hs, triton.cdiv(n, merge_rows))](
             partial_tops, indices, mask, scores, n, splits,
             TOPN=geo.num_selected, TOPN_PAD=topn_pad, BLOCK_M=merge_rows,
-            MAX_SPLITS=_MAX_FEW_ROWS_SPLITS, num_warps=4,
+            MAX_SPLITS=_MAX_FEW_ROWS_SPLITS if position is not None else triton.next_power_of_2(splits), num_warps=4,
         )
     return BlockSelection(indices, mask, scores)
 
