@@ -188,7 +188,8 @@ def profile(columns: dict[tuple[str, int], dict[str, float]], steps: dict[tuple[
                          *(("-", "-") if resources is None else resources)])
     summary = ("Where the time goes: CUDA kernel time per compiled forward + backward (torch.profiler over "
                f"{PROFILED_STEPS} torch.compile steps, ms), by kernel group. A step's median from CUDA events, a separate "
-               "run, also holds the gaps between its kernels.\n\n"
+               "run, also holds the gaps between its kernels, less the time of the backward's kernels that "
+               "run side by side on their streams.\n\n"
                + markdown_table(header, rows)
                + f"\n\nThe NSA layer's largest kernels at n = {last} (registers per thread and bytes spilled to "
                "local memory: the most over the Triton kernel's compiled variants):\n\n"
