@@ -21,12 +21,11 @@ gradients ``dBk = G[k] * dOUT``. Each branch's backward gets dOUT itself, with i
 folded into its LSE: ``exp(s - (lse - log g)) = g * P``, so with the correction
 ``rowsum(dOUT * Bk)`` every gradient of the branch (dV = (gP)^T dOUT, dS = gP * (dP -
 rowsum(dOUT * Bk)), hence dQ and dK) equals the one from ``g * dOUT``; that correction,
-which the branch's backward computes anyway, is also the gate's gradient ``dG[k]``. The
-compressed branch's backward launches run on a side stream, beside the selected and
-sliding branches' (``_branches_backward``). Its
+which the branch's backward computes anyway, is also the gate's gradient ``dG[k]``. Its
 forward takes the gated sum from the selection's forward launch where the window's tiles
 run in a launch of their own (``sliding_window._store_gated_sum``), and from this
-module's kernel otherwise.
+module's kernel otherwise. Its backward runs the compressed branch's launches on a side
+stream, beside the selected and sliding branches' (``_branches_backward``).
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["NAMESPACE", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
-           "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer", "dot_precision"]
+__all__ = ["NAMESPACE", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides",
+           "unit_stride_last", "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer",
+           "dot_precision"]
 
 NAMESPACE = "native_sparse_attention"
 T = TypeVar("T")
