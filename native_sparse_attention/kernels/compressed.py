@@ -51,7 +51,7 @@ query tile's key tiles (chunks of selection blocks) among the programs of grid a
 each leaving a partial result: (output, LSE) for ``_merge_partial_outputs_kernel``, a
 top-n for ``_merge_partial_tops_kernel``. At 64k cached tokens on an H100 this took a
 layer's replayed decoding step from 0.51 to 0.23 ms. Training-time selections of too few
-programs to fill the GPU split their chunks the same way (``_select_splits``).
+programs to fill the GPU split their chunks the same way (``_SELECT_PROGRAMS_PER_SM``).
 
 Programs walk query tiles last-to-first: in causal mode the last tiles see the most keys,
 and launching them first shortens the tail of the grid.
@@ -893,8 +893,7 @@ def _dkdv_query_splits(programs: int, row_tiles: int, device: torch.device) -> i
     ``row_tiles`` query tiles: enough for ``_DKDV_PROGRAMS_PER_SM`` programs per SM, at
     most one per query tile. Without it a short sequence leaves most SMs idle (n = 8192 at
     the layer benchmark's 32 heads: 160 programs of up to 128 query tiles each)."""
-    sms = _multiprocessors(device)
-    return max(1, min(row_tiles, triton.cdiv(_DKDV_PROGRAMS_PER_SM * sms, max(programs, 1))))
+    return _shares(programs, row_tiles, _DKDV_PROGRAMS_PER_SM, device)
 
 
 def _few_rows_splits(rows: int, programs: int, parts: int, device: torch.device) -> int:
@@ -910,16 +909,15 @@ def _few_rows_splits(rows: int, programs: int, parts: int, device: torch.device)
     than the split saved on the GPU."""
     if rows > _FEW_ROWS:
         return 1
-    wanted = triton.cdiv(_FEW_ROWS_PROGRAMS_PER_SM * _multiprocessors(device), max(programs, 1))
-    return max(1, min(parts, wanted, _MAX_FEW_ROWS_SPLITS))
+    return _shares(programs, parts, _FEW_ROWS_PROGRAMS_PER_SM, device, _MAX_FEW_ROWS_SPLITS)
 
 
-def _select_splits(programs: int, chunks: int, device: torch.device) -> int:
-    """Shares of each query tile's chunks for a training-time selection launch of
-    ``programs`` (selection head, query tile) pairs whose longest row has ``chunks``
-    chunks: enough for _SELECT_PROGRAMS_PER_SM programs per SM."""
-    wanted = triton.cdiv(_SELECT_PROGRAMS_PER_SM * _multiprocessors(device), max(programs, 1))
-    return max(1, min(chunks, wanted, _MAX_SELECT_SPLITS))
+def _shares(programs: int, parts: int, programs_per_sm: int, device: torch.device, most: int | None = None) -> int:
+    """Into how many shares to split each of a launch's ``programs`` programs, whose
+    longest has ``parts`` pieces of work, for ``programs_per_sm`` programs per SM: at
+    least 1, at most ``parts`` and ``most``."""
+    wanted = triton.cdiv(programs_per_sm * _multiprocessors(device), max(programs, 1))
+    return max(1, min(parts, wanted, parts if most is None else most))
 
 
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -1110,7 +1108,7 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
     tops = (b * hs, triton.cdiv(n, tiles.block_m))
     chunks = triton.cdiv(num_blocks, s_step)
     if position is None:
-        splits = _select_splits(math.prod(tops), chunks, q.device)
+        splits = _shares(math.prod(tops), chunks, _SELECT_PROGRAMS_PER_SM, q.device, _MAX_SELECT_SPLITS)
     else:
         splits = _few_rows_splits(n, math.prod(tops), chunks, q.device)
     # At least 2: triton 3.6 fails to compile tl.topk(x, 1) of a single-row x, the merge
