@@ -95,9 +95,8 @@ class CompressMLP(nn.Module):
 
         autocast = torch.is_autocast_enabled("cuda") and flat.dtype != torch.float64  # autocast leaves float64
         dtype = torch.get_autocast_dtype("cuda") if autocast else flat.dtype
-        params = (first.weight, first.bias, second.weight, second.bias)
         rows = flat.reshape(-1, flat.shape[-1]).to(dtype).contiguous()
-        out = relu_mlp(rows, *(p.to(dtype).contiguous() for p in params))
+        out = relu_mlp(rows, *(p.contiguous() for p in (first.weight, first.bias, second.weight, second.bias)))
         return out.view(*flat.shape[:-1], out.shape[-1])
 
 

@@ -57,15 +57,21 @@ def relative_error(got, want):
     return ((got.double() - want).abs().max() / max(want.abs().max().item(), 1.0)).item()
 
 
-def check(rows, features, hidden, outputs, dtype, seed, atol):
+def check(rows, features, hidden, outputs, dtype, seed, atol, weight_dtype=None):
+    """The node against float64; ``weight_dtype``: the weights' dtype where it is not x's
+    (the node computes in x's dtype from copies of them)."""
     x, w1, b1, w2, b2, dy = inputs(rows, features, hidden, outputs, dtype, torch.Generator().manual_seed(seed))
+    weight_dtype = weight_dtype or dtype
+    # The weights rounded to x's dtype, as the node computes with them, then held in theirs.
+    w1, b1, w2, b2 = (w.to(weight_dtype) for w in (w1, b1, w2, b2))
     leaves = [t.requires_grad_() for t in (x, w1, b1, w2, b2)]
     y = relu_mlp(*leaves)
+    assert y.dtype == dtype
     grads = torch.autograd.grad(y, leaves, dy)
     expected_y, expected_grads = reference(x, w1, b1, w2, b2, dy)
     assert relative_error(y, expected_y) <= atol, "y"
-    for name, got, want in zip(("x", "w1", "b1", "w2", "b2"), grads, expected_grads):
-        assert got.dtype == dtype and got.shape == want.shape, name
+    for name, got, want, leaf in zip(("x", "w1", "b1", "w2", "b2"), grads, expected_grads, leaves):
+        assert got.dtype == leaf.dtype and got.shape == want.shape, name
         assert relative_error(got, want) <= atol, name
 
 
@@ -80,6 +86,13 @@ def check(rows, features, hidden, outputs, dtype, seed, atol):
 )
 def test_matches_float64(rows, features, hidden, outputs, dtype):
     check(rows, features, hidden, outputs, dtype, seed=rows + hidden, atol=2e-5 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("rows", [45, 0])
+def test_float32_weights_with_half_inputs(rows):
+    """Master weights in float32 with float16 rows, as under autocast: the node computes in
+    float16 and hands back the weights' gradients in float32."""
+    check(rows, 40, 56, 20, torch.float16, seed=rows + 1, atol=5e-3, weight_dtype=torch.float32)
 
 
 @pytest.mark.gpu
@@ -129,15 +142,16 @@ def test_other_activations_keep_the_modules():
     torch.testing.assert_close(mlp(windows), mlp.net(windows.flatten(-2)))
 
 
-def test_compiled_node_matches_eager():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compiled_node_matches_eager(dtype):
     """Compiled, the node runs as custom operators, whose fake implementations must give
-    the real outputs' shapes and dtypes."""
+    the real outputs' shapes and dtypes: with float32 weights and rows of ``dtype``."""
     torch.manual_seed(0)
-    x = torch.randn(37, 24, device=DEVICE, requires_grad=True)
+    x = torch.randn(37, 24, device=DEVICE).to(dtype).requires_grad_()
     params = [torch.randn(40, 24, device=DEVICE) * 0.2, torch.randn(40, device=DEVICE),
               torch.randn(12, 40, device=DEVICE) * 0.2, torch.randn(12, device=DEVICE)]
     params = [p.requires_grad_() for p in params]
-    dy = torch.randn(37, 12, device=DEVICE)
+    dy = torch.randn(37, 12, device=DEVICE).to(dtype)
 
     def run(fn):
         y = fn(x, *params)

@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["NAMESPACE", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides",
            "unit_stride_last", "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer",
-           "dot_precision"]
+           "dot_precision", "matmul_as"]
 
 NAMESPACE = "native_sparse_attention"
 T = TypeVar("T")
@@ -66,6 +66,20 @@ def dot_precision(dtype: torch.dtype) -> str:
     if precision != "none":
         return "tf32" if precision == "tf32" else "ieee"
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+# aten::mm.dtype: 16-bit products summed into float32 outputs (PyTorch 2.8 and later, CUDA).
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def matmul_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` (2-d) as ``dtype``: written in it by cuBLAS where it can, cast otherwise.
+    A float32 weight's gradient from bf16 / fp16 operands then takes no cast kernel."""
+    if a.dtype == dtype:
+        return a @ b
+    if _MM_OUT_DTYPE and a.is_cuda and dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16):
+        return torch.mm(a, b, out_dtype=dtype)
+    return (a @ b).to(dtype)
 
 
 def launcher_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
