@@ -473,12 +473,16 @@ class SparseAttention(nn.Module):
         compressed_options = (self.compress_block_size, self.compress_stride, self.num_mem, self.causal, scale,
                               self.selection_block_size, self.num_selected_blocks, self.share_selection)
         selection_options = (self.selection_block_size, self.causal, self.sliding_window_size, scale)
-        merged, selection = gated_branches(
-            gates, q, ck_all, cv_all, rq, rk, v, compressed_options, selection_options
+        # A plain output projection joins the node, whose backward then computes its
+        # weight's gradient beside the selected and sliding branches' backward.
+        project = type(self.to_out) is nn.Linear and self.to_out.bias is None
+        out, selection = gated_branches(
+            gates, q, ck_all, cv_all, rq, rk, v, compressed_options, selection_options,
+            out_weight=self.to_out.weight if project else None,
         )
         if self.recorder is not None:
             self._record(selected_indices=selection.indices, selected_mask=selection.mask)
-        return self.to_out(merged)
+        return out if project else self.to_out(out)
 
     def _gates(self, logits: torch.Tensor) -> torch.Tensor:
         """The gate logits [b, n, 3 * h] -> the branches' gates [3, b, h, n] (compressed,

@@ -65,10 +65,11 @@ def test_rejects_mismatched_shapes():
 # float16 takes the launch configuration whose window tiles run in a launch of their own,
 # so that the selection's launch writes the gated sum itself; float32 runs the gated-sum
 # kernel after it.
-@pytest.mark.parametrize("causal, share_selection, num_mem, dtype",
-                         [(True, True, 0, torch.float32), (False, False, 1, torch.float32),
-                          (True, True, 0, torch.float16), (True, False, 1, torch.float16)])
-def test_gated_branches_match_references(monkeypatch, causal, share_selection, num_mem, dtype):
+# project: the node also applies an output projection of float32 weights, as the layer's.
+@pytest.mark.parametrize("causal, share_selection, num_mem, dtype, project",
+                         [(True, True, 0, torch.float32, False), (False, False, 1, torch.float32, True),
+                          (True, True, 0, torch.float16, True), (True, False, 1, torch.float16, False)])
+def test_gated_branches_match_references(monkeypatch, causal, share_selection, num_mem, dtype, project):
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
 
@@ -97,10 +98,13 @@ def test_gated_branches_match_references(monkeypatch, causal, share_selection, n
     gates_view = rearrange(rearrange(inputs["gates"], "s b h n -> b n (h s)").detach(), "b n (h s) -> s b h n", s=3)
     q_view = inputs["q"].detach().transpose(1, 2).contiguous().transpose(1, 2)
     inputs.update(gates=gates_view.requires_grad_(), q=q_view.requires_grad_())
+    # Rounded to dtype (as the node computes with it), held in float32.
+    weight = (torch.randn(24, hq * d, generator=gen) / d).to(dtype).to(DEVICE, torch.float32).requires_grad_()
     merged, selection = gated_branches(
         *inputs.values(),
         (compress_block, stride, num_mem, causal, scale, block, num_selected, share_selection),
         (block, causal, window, scale),
+        out_weight=weight if project else None,
     )
     dmerged = torch.randn(merged.shape, generator=gen).to(DEVICE, dtype)
     merged.backward(dmerged)
@@ -112,10 +116,19 @@ def test_gated_branches_match_references(monkeypatch, causal, share_selection, n
                                       include_block_causal=causal, scale=scale)
     sliding_out, _ = sliding_window_attend(ref["rq"], ref["rk"], ref["v"], window, causal=causal, scale=scale)
     ref_merged = eager(ref["gates"], compressed_out, selected_out, sliding_out)
+    ref_weight = weight.detach().double().requires_grad_()
+    if project:
+        ref_merged = ref_merged @ ref_weight.T
     ref_merged.backward(dmerged.double())
 
     assert selection.indices.shape == (b, hk if share_selection else hq, n, num_selected)
-    assert merged.shape == (b, n, hq * d) and merged.dtype == dtype
+    assert merged.shape == (b, n, 24 if project else hq * d) and merged.dtype == dtype
+    if project:
+        assert weight.grad.dtype == torch.float32
+        torch.testing.assert_close(weight.grad.double(), ref_weight.grad, atol=10 * (1e-5 if dtype == torch.float32
+                                   else 2e-3) * ref_weight.grad.abs().max().item(), rtol=0)
+    else:
+        assert weight.grad is None
     assert len(gated_sum_launches) == (dtype == torch.float32)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(merged.double(), ref_merged, atol=tol, rtol=tol)

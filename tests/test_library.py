@@ -76,27 +76,33 @@ def test_compressed_operators(share_selection, tokens_major):
         torch.library.opcheck(OPS.compressed_attend_and_select_backward, backward_inputs, test_utils=CHECKS)
 
 
-def test_gated_branches_backward_operator():
-    """The three branches' backward as one operator (the compressed one's launches on a
-    side stream on CUDA) against the two operators it runs."""
+@pytest.mark.parametrize("project", [False, True])
+def test_gated_branches_backward_operator(project):
+    """The three branches' backward as one operator (the compressed one's launches, and the
+    output projection's weight gradient with ``project``, on a side stream on CUDA) against
+    the two operators it runs and the projection's matmuls."""
     q = _randn(1, 40, 2, 16).transpose(1, 2)
     ck, cv = _randn(1, 1, 11, 16), _randn(1, 1, 11, 16)
     rq, rk, v = _randn(1, 2, 40, 16), _randn(1, 1, 40, 16), _randn(1, 1, 40, 16)
     compressed_options, selection_options = (8, 4, 1, True, 0.25, 16, 2, True), (16, True, 8, 0.25)
     out_c, lse_c, indices, mask, _ = OPS.compressed_attend_and_select(q, ck, cv, *compressed_options)
     out_s, lse_s, out_w, lse_w, _ = OPS.selection_forward(rq, rk, v, indices, mask, None, *selection_options)
-    d_out = _randn(1, 40, 2, 16).transpose(1, 2)
-    inputs = (d_out, q, ck, cv, out_c, lse_c, rq, rk, v, indices, mask, out_s, lse_s, out_w, lse_w,
-              *compressed_options, *selection_options)
+    merged, weight = _randn(1, 40, 32), _randn(24, 32)
+    d_y = _randn(1, 40, 24) if project else _randn(1, 40, 32)
+    d_merged = d_y @ weight if project else d_y
+    d_out = d_merged.unflatten(-1, (2, 16)).transpose(1, 2)
+    inputs = (d_y, weight if project else None, merged if project else None, torch.float32, q, ck, cv, out_c, lse_c,
+              rq, rk, v, indices, mask, out_s, lse_s, out_w, lse_w, *compressed_options, *selection_options)
     torch.library.opcheck(OPS.gated_branches_backward, inputs, test_utils=CHECKS)
     grads = OPS.gated_branches_backward(*inputs)
     expected = (*OPS.compressed_attend_and_select_backward(d_out, None, q, ck, cv, out_c, lse_c, indices, mask,
                                                            *compressed_options),
                 *[t for i, t in enumerate(OPS.selection_backward(rq, rk, v, indices, mask, None, out_s, lse_s, out_w,
-                                                                lse_w, d_out, d_out, *selection_options)) if i != 3])
-    assert len(grads) == len(expected) == 9
+                                                                lse_w, d_out, d_out, *selection_options)) if i != 3],
+                d_y.flatten(0, 1).t() @ merged.flatten(0, 1) if project else torch.empty(0, device=DEVICE))
+    assert len(grads) == len(expected) == 10
     for got, want in zip(grads, expected):  # the selection's dK / dV sums in any order on a GPU
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
