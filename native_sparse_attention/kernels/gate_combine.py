@@ -372,8 +372,9 @@ def gated_branches(gates: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: t
     the layer benchmark's compiled step on an H100 that took 3.33-3.34 -> 3.29-3.30 ms at
     n = 8192 (medians of 40 steps, three runs each; at 65536 no difference beyond the
     runs' spread). The output gradient and the gated sum then stay allocated through the
-    branches' backward: the eager step's peak memory went 0.97 -> 1.04 GiB at 8192 and
-    5.21 -> 5.50 GiB at 65536.
+    branches' backward: measured together with the compression MLPs' single cast
+    (``kernels/compress_mlp.py``), the eager step's peak memory went 0.97 -> 1.04 GiB at
+    8192 and 5.21 -> 5.50 GiB at 65536.
     """
     out, indices, mask, scores = _GatedBranches.apply(
         gates, q, ck, cv, rq, rk, v, out_weight, compressed_options, selection_options
