@@ -104,6 +104,14 @@ def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.get_autocast_dtype(device))
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` as constructed, without hooks: one whose
+    matmul the layer may fold into its own (a subclass, or a hook, expects its forward)."""
+    return type(module) is nn.Linear and not any(
+        (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    )
+
+
 def _straight_through(scores: torch.Tensor) -> torch.Tensor:
     """Equals 1 in the forward pass; passes the gradient to ``scores`` unchanged."""
     return scores + (1.0 - scores).detach()
@@ -346,7 +354,7 @@ class SparseAttention(nn.Module):
         matmuls: folded, every token would concatenate the weights anew.
         """
         gate_projection = self.to_gates[0]
-        fold_gates = fold_gates and type(gate_projection) is nn.Linear
+        fold_gates = fold_gates and _plain_linear(gate_projection)
         if fold_gates:
             projection = F.linear(x_normed, torch.cat((self.to_qkv.weight, gate_projection.weight)))
         else:
@@ -475,7 +483,7 @@ class SparseAttention(nn.Module):
         selection_options = (self.selection_block_size, self.causal, self.sliding_window_size, scale)
         # A plain output projection joins the node, whose backward then computes its
         # weight's gradient beside the selected and sliding branches' backward.
-        project = type(self.to_out) is nn.Linear and self.to_out.bias is None
+        project = _plain_linear(self.to_out) and self.to_out.bias is None
         out, selection = gated_branches(
             gates, q, ck_all, cv_all, rq, rk, v, compressed_options, selection_options,
             out_weight=self.to_out.weight if project else None,

@@ -18,6 +18,7 @@ from native_sparse_attention import (
     TransformerCompress,
 )
 from native_sparse_attention.compress import sliding_windows
+from native_sparse_attention.sparse_attention import _plain_linear
 
 DIM, DIM_HEAD, HEADS = 32, 8, 4
 
@@ -257,6 +258,21 @@ def test_the_gate_projection_shares_the_qkv_matmul():
     for (name, p_folded), p_separate in zip(folded.named_parameters(), separate.parameters()):
         torch.testing.assert_close(p_folded.grad, p_separate.grad, msg=name)
 
+
+
+def test_hooked_projections_run_as_modules():
+    """A plain linear gate or output projection that carries a hook is called as a module:
+    neither the qkv matmul (the gates) nor the Triton path's gated node (the output
+    projection) folds it in."""
+    layer = make_layer(kv_heads=2)
+    assert _plain_linear(layer.to_gates[0]) and _plain_linear(layer.to_out)
+    calls = []
+    for module in (layer.to_gates[0], layer.to_out):
+        module.register_forward_hook(lambda module, args, out: calls.append(module))
+    assert not _plain_linear(layer.to_gates[0]) and not _plain_linear(layer.to_out)
+    layer(torch.randn(1, 20, DIM))
+    assert calls == [layer.to_gates[0], layer.to_out]
+    assert not _plain_linear(_LinearSubclass(4, 4))
 
 # ---------------------------------------------------------------------------- bad input
 
