@@ -73,6 +73,13 @@ def _hidden_size(block_size: int, dim_head: int, expand_factor: float) -> int:
     return max(1, int(block_size * dim_head * expand_factor))
 
 
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` itself carries forward or backward hooks: code that bypasses its
+    forward (to fold or fuse its work) would skip them."""
+    return any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                module._backward_pre_hooks))
+
+
 class CompressMLP(nn.Module):
     """``Linear(block_size * d -> hidden) -> ReLU -> Linear(hidden -> d)``, shared by all heads."""
 
@@ -86,8 +93,7 @@ class CompressMLP(nn.Module):
     def forward(self, windows: torch.Tensor) -> torch.Tensor:
         """windows: [b, h, w, block_size, d] -> [b, h, w, d]"""
         flat = rearrange(windows, "b h w t d -> b h w (t d)")
-        first, activation, second = self.net
-        if not flat.is_cuda or type(activation) is not nn.ReLU:
+        if not flat.is_cuda or not self.fusable():
             return self.net(flat)
         # On CUDA, one autograd node with the ReLU fused into both passes
         # (kernels/compress_mlp.py), in the dtype autocast would give the Linear layers.
@@ -96,8 +102,16 @@ class CompressMLP(nn.Module):
         autocast = torch.is_autocast_enabled("cuda") and flat.dtype != torch.float64  # autocast leaves float64
         dtype = torch.get_autocast_dtype("cuda") if autocast else flat.dtype
         rows = flat.reshape(-1, flat.shape[-1]).to(dtype).contiguous()
+        first, _, second = self.net
         out = relu_mlp(rows, *(p.contiguous() for p in (first.weight, first.bias, second.weight, second.bias)))
         return out.view(*flat.shape[:-1], out.shape[-1])
+
+    def fusable(self) -> bool:
+        """Whether ``net`` is as constructed, so that ``relu_mlp`` computes its forward: a
+        layer replaced or hooked expects its own."""
+        first, activation, second = self.net
+        return (type(first) is nn.Linear and type(activation) is nn.ReLU and type(second) is nn.Linear
+                and not any(map(has_hooks, self.net.modules())))
 
 
 class GroupedCompressMLP(nn.Module):

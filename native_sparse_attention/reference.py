@@ -161,7 +161,7 @@ def compressed_attend(
     """
     dtype = _compute_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    hq, m = q.shape[1], q.shape[2]
+    m = q.shape[2]
     num_keys = ck.shape[2]
     logits = _grouped_matmul(q.to(dtype), ck.to(dtype).transpose(-1, -2)) * scale
 

@@ -30,7 +30,7 @@ from einops import rearrange
 from einops.layers.torch import Rearrange
 from torch import nn
 
-from native_sparse_attention.compress import CompressMLP, sliding_windows
+from native_sparse_attention.compress import CompressMLP, has_hooks, sliding_windows
 from native_sparse_attention.reference import (
     compressed_attend,
     selected_attend,
@@ -107,9 +107,7 @@ def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
 def _plain_linear(module: nn.Module) -> bool:
     """Whether ``module`` is an ``nn.Linear`` as constructed, without hooks: one whose
     matmul the layer may fold into its own (a subclass, or a hook, expects its forward)."""
-    return type(module) is nn.Linear and not any(
-        (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    )
+    return type(module) is nn.Linear and not has_hooks(module)
 
 
 def _straight_through(scores: torch.Tensor) -> torch.Tensor:

@@ -135,11 +135,28 @@ def test_gpu_compress_mlp_matches_its_modules_under_autocast():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-def test_other_activations_keep_the_modules():
+class _Linear(nn.Linear):
+    """A linear layer whose forward could be overridden: the MLP must call it."""
+
+
+@pytest.mark.parametrize("change", ["activation", "subclass", "hook on a layer", "hook on net"])
+def test_changed_networks_keep_the_modules(change):
+    """Another activation, a replaced layer or a hook on the network or one of its layers
+    keeps the modules' forward (a hooked one called) instead of the fused node."""
     mlp = CompressMLP(4, 8).to(DEVICE)
-    mlp.net[1] = nn.GELU()
+    assert mlp.fusable()
+    calls = []
+    if change == "activation":
+        mlp.net[1] = nn.GELU()
+    elif change == "subclass":
+        mlp.net[2] = _Linear(mlp.net[2].in_features, mlp.net[2].out_features).to(DEVICE)
+    else:
+        hooked = mlp.net[0] if change == "hook on a layer" else mlp.net
+        hooked.register_forward_hook(lambda *args: calls.append(1))
+    assert not mlp.fusable()
     windows = torch.randn(1, 2, 3, 4, 8, device=DEVICE)
     torch.testing.assert_close(mlp(windows), mlp.net(windows.flatten(-2)))
+    assert len(calls) == (2 if change.startswith("hook") else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
