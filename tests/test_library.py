@@ -43,12 +43,21 @@ def _selection_inputs(window, with_scale, per_query_head=False):
 
 @pytest.mark.parametrize("window, with_scale, per_query_head", [(8, True, False), (None, False, True)])
 def test_selection_operators(window, with_scale, per_query_head):
+    """The forward with and without the inversion for dK / dV, and the backward with the
+    forward's inversion and with its own: the same gradients."""
     inputs = _selection_inputs(window, with_scale, per_query_head)
-    torch.library.opcheck(OPS.selection_forward, inputs, test_utils=CHECKS)
-    out, lse, swa_out, swa_lse, _ = OPS.selection_forward(*inputs)
+    inverting = (*inputs, 0, None, None, True)
+    for forward_inputs in (inputs, inverting):
+        torch.library.opcheck(OPS.selection_forward, forward_inputs, test_utils=CHECKS)
+    out, lse, swa_out, swa_lse, _, table = OPS.selection_forward(*inverting)
+    assert [t.shape for t in table] == [t.shape for t in selection._fake_key_block_entries(
+        selection._problem(*inputs[:2], inputs[3], with_scale, *inputs[6:]), 4, DEVICE)]
+    assert OPS.selection_forward(*inputs)[-1] == []
     grads = (torch.randn_like(out), torch.randn_like(swa_out) if window is not None else None)
     backward_inputs = (*inputs[:6], out, lse, swa_out, swa_lse, *grads, *inputs[6:])
-    torch.library.opcheck(OPS.selection_backward, backward_inputs, test_utils=CHECKS)
+    torch.library.opcheck(OPS.selection_backward, (*backward_inputs, table), test_utils=CHECKS)
+    for got, want in zip(OPS.selection_backward(*backward_inputs, table), OPS.selection_backward(*backward_inputs, [])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # dK / dV sum in any order on a GPU
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -60,7 +69,7 @@ def test_selection_forward_with_gates(dtype):
     gates = torch.rand(1, 20, 3 * q.shape[1], device=DEVICE, dtype=dtype).unflatten(-1, (-1, 3)).permute(3, 0, 2, 1)
     inputs = (q, k, v, indices, fmask, None, *options, 0, gates, torch.randn_like(q))
     torch.library.opcheck(OPS.selection_forward, inputs, test_utils=CHECKS)
-    assert OPS.selection_forward(*inputs)[-1].numel() == (0 if dtype == torch.float32 else q.numel())
+    assert OPS.selection_forward(*inputs)[-2].numel() == (0 if dtype == torch.float32 else q.numel())
 
 
 @pytest.mark.parametrize("share_selection, tokens_major", [(True, True), (False, False)])
@@ -86,19 +95,21 @@ def test_gated_branches_backward_operator(project):
     rq, rk, v = _randn(1, 2, 40, 16), _randn(1, 1, 40, 16), _randn(1, 1, 40, 16)
     compressed_options, selection_options = (8, 4, 1, True, 0.25, 16, 2, True), (16, True, 8, 0.25)
     out_c, lse_c, indices, mask, _ = OPS.compressed_attend_and_select(q, ck, cv, *compressed_options)
-    out_s, lse_s, out_w, lse_w, _ = OPS.selection_forward(rq, rk, v, indices, mask, None, *selection_options)
+    out_s, lse_s, out_w, lse_w, _, table = OPS.selection_forward(rq, rk, v, indices, mask, None,
+                                                                 *selection_options, 0, None, None, True)
     merged, weight = _randn(1, 40, 32), _randn(24, 32)
     d_y = _randn(1, 40, 24) if project else _randn(1, 40, 32)
     d_merged = d_y @ weight if project else d_y
     d_out = d_merged.unflatten(-1, (2, 16)).transpose(1, 2)
     inputs = (d_y, weight if project else None, merged if project else None, torch.float32, q, ck, cv, out_c, lse_c,
-              rq, rk, v, indices, mask, out_s, lse_s, out_w, lse_w, *compressed_options, *selection_options)
+              rq, rk, v, indices, mask, out_s, lse_s, out_w, lse_w, table, *compressed_options, *selection_options)
     torch.library.opcheck(OPS.gated_branches_backward, inputs, test_utils=CHECKS)
     grads = OPS.gated_branches_backward(*inputs)
     expected = (*OPS.compressed_attend_and_select_backward(d_out, None, q, ck, cv, out_c, lse_c, indices, mask,
                                                            *compressed_options),
                 *[t for i, t in enumerate(OPS.selection_backward(rq, rk, v, indices, mask, None, out_s, lse_s, out_w,
-                                                                lse_w, d_out, d_out, *selection_options)) if i != 3],
+                                                                lse_w, d_out, d_out, *selection_options, []))
+                  if i != 3],
                 d_y.flatten(0, 1).t() @ merged.flatten(0, 1) if project else torch.empty(0, device=DEVICE))
     assert len(grads) == len(expected) == 10
     for got, want in zip(grads, expected):  # the selection's dK / dV sums in any order on a GPU
@@ -109,7 +120,7 @@ def test_gated_branches_backward_operator(project):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="streams need CUDA")
 def test_side_by_side_forks_and_joins_streams():
     """The side work sees what was queued before the fork, the caller's stream what it
-    wrote, and a nested call gets a stream of its own."""
+    wrote, and a nested call gets a stream of its own, an urgent one of higher priority."""
     x = torch.zeros(1 << 24, device=DEVICE)
     x.add_(1.0)
     caller = torch.cuda.current_stream()
@@ -118,6 +129,7 @@ def test_side_by_side_forks_and_joins_streams():
     def side():
         streams["side"] = torch.cuda.current_stream()
         streams["nested"], _ = side_by_side(DEVICE, torch.cuda.current_stream, lambda: None)
+        streams["urgent"], _ = side_by_side(DEVICE, torch.cuda.current_stream, lambda: None, urgent=True)
         return x * 2
 
     def main():
@@ -129,6 +141,8 @@ def test_side_by_side_forks_and_joins_streams():
     assert torch.all(total == 5.0)
     assert streams["main"] == caller and streams["side"] != caller
     assert streams["nested"] not in (caller, streams["side"])
+    assert streams["urgent"] not in (caller, streams["side"], streams["nested"])
+    assert streams["urgent"].priority < streams["nested"].priority == streams["side"].priority == caller.priority
     assert torch.cuda.current_stream() == caller
 
 

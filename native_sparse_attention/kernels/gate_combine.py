@@ -24,8 +24,10 @@ rowsum(dOUT * Bk)), hence dQ and dK) equals the one from ``g * dOUT``; that corr
 which the branch's backward computes anyway, is also the gate's gradient ``dG[k]``. Its
 forward takes the gated sum from the selection's forward launch where the window's tiles
 run in a launch of their own (``sliding_window._store_gated_sum``), and from this
-module's kernel otherwise. Its backward runs the compressed branch's launches on a side
-stream, beside the selected and sliding branches' (``_branches_backward``).
+module's kernel otherwise, and where a backward will follow, the selection's inversion
+for dK / dV beside the selection's launches (``selection._launch_forward``). Its backward
+runs the compressed branch's launches on a side stream, beside the selected and sliding
+branches' (``_branches_backward``).
 """
 
 from __future__ import annotations
@@ -249,11 +251,11 @@ def _folded_lses(gates: torch.Tensor, *lses: torch.Tensor) -> torch.Tensor:
 
 
 def _fake_branches_backward(d_y, out_weight, merged, weight_dtype, q, ck, cv, out_c, folded_c, rq, rk, v, indices,
-                            mask, out_s, folded_s, out_w, folded_w, *options):
+                            mask, out_s, folded_s, out_w, folded_w, table, *options):
     d_out = out_c.new_empty(out_c.shape)
     compressed = compressed_kernels._fake_attend_and_select_backward(d_out, None, q, ck, cv)
     drq, drk, dv, _, dgate_s, dgate_w = selection_kernels._fake_backward(
-        rq, rk, v, indices, mask, None, out_s, folded_s, out_w, folded_w, d_out, d_out, *options[-4:]
+        rq, rk, v, indices, mask, None, out_s, folded_s, out_w, folded_w, d_out, d_out, *options[-4:], table
     )
     d_weight = d_y.new_empty((0,) if out_weight is None else out_weight.shape, dtype=weight_dtype)
     return (*compressed, drq, drk, dv, dgate_s, dgate_w, d_weight)
@@ -265,7 +267,7 @@ def _branches_backward(
     q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, out_c: torch.Tensor,
     folded_c: torch.Tensor, rq: torch.Tensor, rk: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
     mask: torch.Tensor, out_s: torch.Tensor, folded_s: torch.Tensor, out_w: torch.Tensor, folded_w: torch.Tensor,
-    compress_block_size: int, compress_stride: int, num_mem: int, causal: bool, scale: float,
+    table: list[torch.Tensor], compress_block_size: int, compress_stride: int, num_mem: int, causal: bool, scale: float,
     selection_block_size: int, num_selected: int, share_selection: bool,
     block_size: int, selection_causal: bool, window: int | None, selection_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -275,9 +277,10 @@ def _branches_backward(
     the gated sum's dtype) of its projection ``merged @ out_weight^T`` [b, n, dim]: (dq, dck,
     dcv, dgate_c) of the compressed branch, (drq, drk, dv, dgate_s, dgate_w) of the
     selected and sliding ones, and the gradient of the projection's weight in
-    ``weight_dtype`` (empty without one). The compressed branch's launches and the
-    weight's gradient run beside the others (the arguments after folded_w: the two
-    operators' options, in order).
+    ``weight_dtype`` (empty without one). ``table``: the selection forward's inversion
+    for dK / dV, or none. The compressed branch's launches and the weight's gradient run
+    beside the others (the arguments after ``table``: the two operators' options, in
+    order).
 
     The compressed branch's backward runs at half its n = 65536 rate at 8192, its loops
     short and its grids' tails long. Side by side, the layer benchmark's compiled step at
@@ -303,7 +306,7 @@ def _branches_backward(
     def selected():
         drq, drk, dv, _, dgate_s, dgate_w = selection_kernels._launch_backward(
             rq, rk, v, indices, mask, None, out_s, folded_s, out_w, folded_w, d_out, d_out,
-            block_size, selection_causal, window, selection_scale,
+            block_size, selection_causal, window, selection_scale, table,
         )
         return drq, drk, dv, dgate_s, dgate_w
 
@@ -315,15 +318,17 @@ class _GatedBranches(torch.autograd.Function):
     """The compressed branch with its block selection, the selected and sliding branches,
     and their gated sum, projected by ``out_weight`` unless it is None, as one node (see
     the module docstring). ``compressed_options``: the compressed operator's geometry;
-    ``selection_options``: (block_size, causal, window, scale) of the selection operator."""
+    ``selection_options``: (block_size, causal, window, scale) of the selection operator.
+    ``invert``: a backward will follow, whose inversion of the selection for dK / dV the
+    forward computes beside its selection launches."""
 
     @staticmethod
-    def forward(ctx, gates, q, ck, cv, rq, rk, v, out_weight, compressed_options, selection_options):
+    def forward(ctx, gates, q, ck, cv, rq, rk, v, out_weight, compressed_options, selection_options, invert):
         out_c, lse_c, indices, mask, scores = compressed_kernels._attend_and_select_forward(
             q, ck, cv, *compressed_options
         )
-        out_s, lse_s, out_w, lse_w, merged = selection_kernels._launch_forward(
-            rq, rk, v, indices, mask, None, *selection_options, 0, gates, out_c
+        out_s, lse_s, out_w, lse_w, merged, table = selection_kernels._launch_forward(
+            rq, rk, v, indices, mask, None, *selection_options, 0, gates, out_c, invert
         )
         if merged.numel() == 0:  # the selection's launch could not fold the sum in
             merged = _forward(gates, out_c, out_s, out_w)
@@ -332,7 +337,7 @@ class _GatedBranches(torch.autograd.Function):
             weight = out_weight.to(merged.dtype)
             out = merged @ weight.t()
         ctx.save_for_backward(gates, q, ck, cv, rq, rk, v, indices, mask, out_c, lse_c, out_s, lse_s, out_w, lse_w,
-                              merged if weight is not None else None, weight)
+                              merged if weight is not None else None, weight, *table)
         ctx.options = compressed_options, selection_options
         ctx.weight_dtype = out_weight.dtype if out_weight is not None else merged.dtype
         ctx.mark_non_differentiable(indices, mask, scores)
@@ -341,15 +346,15 @@ class _GatedBranches(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, _d_indices, _d_mask, _d_scores):
         (gates, q, ck, cv, rq, rk, v, indices, mask, out_c, lse_c, out_s, lse_s, out_w, lse_w,
-         merged, weight) = ctx.saved_tensors
+         merged, weight, *table) = ctx.saved_tensors
         compressed_options, selection_options = ctx.options
         folded_c, folded_s, folded_w = _folded_lses(gates, lse_c, lse_s, lse_w)
         dq, dck, dcv, dgate_c, drq, drk, dv, dgate_s, dgate_w, d_weight = _branches_backward(
             d_out, weight, merged, ctx.weight_dtype, q, ck, cv, out_c, folded_c, rq, rk, v, indices, mask, out_s,
-            folded_s, out_w, folded_w, *compressed_options, *selection_options,
+            folded_s, out_w, folded_w, table, *compressed_options, *selection_options,
         )
         dgates = torch.stack((dgate_c, dgate_s, dgate_w)).to(gates.dtype)
-        return dgates, dq, dck, dcv, drq, drk, dv, (d_weight if weight is not None else None), None, None
+        return dgates, dq, dck, dcv, drq, drk, dv, (d_weight if weight is not None else None), None, None, None
 
 
 def gated_branches(gates: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rq: torch.Tensor,
@@ -376,7 +381,7 @@ def gated_branches(gates: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: t
     (``kernels/compress_mlp.py``), the eager step's peak memory went 0.97 -> 1.04 GiB at
     8192 and 5.21 -> 5.50 GiB at 65536.
     """
-    out, indices, mask, scores = _GatedBranches.apply(
-        gates, q, ck, cv, rq, rk, v, out_weight, compressed_options, selection_options
-    )
+    inputs = (gates, q, ck, cv, rq, rk, v, out_weight)
+    invert = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    out, indices, mask, scores = _GatedBranches.apply(*inputs, compressed_options, selection_options, invert)
     return out, BlockSelection(indices, mask, scores)

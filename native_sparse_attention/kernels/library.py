@@ -104,18 +104,19 @@ def launcher_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
 
 
 class _SideStreams(threading.local):
-    """Per thread: the side streams by (device, nesting level), and the level of the
-    ``side_by_side`` calls in progress."""
+    """Per thread: the side streams by (device, nesting level, urgency), and the level of
+    the ``side_by_side`` calls in progress."""
 
     def __init__(self):
-        self.streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+        self.streams: dict[tuple[torch.device, int, bool], torch.cuda.Stream] = {}
         self.level = 0
 
 
 _SIDE_STREAMS = _SideStreams()
 
 
-def side_by_side(device: torch.device, side: Callable[[], T], main: Callable[[], U]) -> tuple[T, U]:
+def side_by_side(device: torch.device, side: Callable[[], T], main: Callable[[], U],
+                 urgent: bool = False) -> tuple[T, U]:
     """``(side(), main())``, with ``side``'s kernels on a stream of their own on CUDA, so
     that the two launch sequences share the GPU: each one's short launches and the tails
     of its grids leave SMs idle that the other's programs take.
@@ -127,13 +128,20 @@ def side_by_side(device: torch.device, side: Callable[[], T], main: Callable[[],
     ``side`` allocates belong to its stream's pool; freed later, they are reused only by
     later work on that stream, which is queued after every kernel queued before that
     work's fork, so no kernel still reading them is overtaken.
+
+    ``urgent``: the side stream has a higher priority than the others, so that the block
+    scheduler starts its kernels' programs as soon as SMs free up instead of after the
+    programs already queued: for short work that later work waits for, which would
+    otherwise wait for a long grid of ``main``'s to drain. (PyTorch instantiates CUDA
+    graphs with ``cudaGraphInstantiateFlagUseNodePriority``, so replays keep the
+    priorities of the streams the kernels were captured on.)
     """
     if device.type != "cuda":
         return side(), main()
-    key = (device, _SIDE_STREAMS.level)
+    key = (device, _SIDE_STREAMS.level, urgent)
     stream = _SIDE_STREAMS.streams.get(key)
     if stream is None:
-        stream = _SIDE_STREAMS.streams[key] = torch.cuda.Stream(device)
+        stream = _SIDE_STREAMS.streams[key] = torch.cuda.Stream(device, priority=-1 if urgent else 0)
     current = torch.cuda.current_stream(device)
     _SIDE_STREAMS.level += 1
     try:

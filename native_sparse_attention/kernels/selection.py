@@ -979,6 +979,16 @@ class _KeyBlockEntries:
     chunk_order: torch.Tensor | None
     num_keys: int
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The table as an operator passes it on: an empty ``chunk_order`` where it is None."""
+        order = self.chunk_key.new_empty(0, dtype=torch.int64) if self.chunk_order is None else self.chunk_order
+        return [self.entries, self.first_entry, self.first_chunk, self.chunk_key, order]
+
+    @staticmethod
+    def from_tensors(tensors: list[torch.Tensor], num_keys: int) -> _KeyBlockEntries:
+        entries, first_entry, first_chunk, chunk_key, order = tensors
+        return _KeyBlockEntries(entries, first_entry, first_chunk, chunk_key, order if order.numel() else None, num_keys)
+
 
 def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor,
                        element_size: int) -> _KeyBlockEntries:
@@ -1034,6 +1044,17 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
                             num_keys)
 
 
+def _fake_key_block_entries(problem: _Problem, element_size: int, device: torch.device) -> list[torch.Tensor]:
+    """``_key_block_entries(...).tensors()``'s shapes and dtypes."""
+    num_keys = problem.batch * problem.kv_heads * problem.num_blocks
+    num_entries = problem.batch * problem.selection_heads * problem.seq_len * problem.constexprs["NUM_SETS"]
+    max_chunks = triton.cdiv(num_entries, problem.config.dkv_chunk) + num_keys
+    order = max_chunks if _orders_chunks(problem, element_size, device) else 0
+    return [torch.empty(size, dtype=dtype, device=device) for size, dtype in (
+        (num_entries, torch.int64), (num_keys + 1, torch.int64), (num_keys + 1, torch.int64),
+        (max_chunks, torch.int32), (order, torch.int64))]
+
+
 def _orders_chunks(problem: _Problem, element_size: int, device: torch.device) -> bool:
     """Whether the dK / dV chunks launch in the order of their first query, so that the
     programs running together gather neighbouring q and dO rows, which L2 then holds.
@@ -1050,7 +1071,9 @@ def _orders_chunks(problem: _Problem, element_size: int, device: torch.device) -
     return q_and_do_bytes > ORDERED_CHUNKS_MIN_L2_FILLS * l2_bytes
 
 
-def _backward(problem: _Problem, saved, d_out, d_swa_out):
+def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntries | None = None):
+    """``table``: the selection's inversion for dK / dV, computed here (beside the dQ
+    passes) where None."""
     q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse = saved
     assert problem.q_offset == 0 and problem.num_keys == problem.seq_len, "the backward takes queries at every key"
     b, hq, hk, n, d = problem.batch, problem.query_heads, problem.kv_heads, problem.seq_len, problem.head_dim
@@ -1096,16 +1119,12 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out):
         )
 
     constexprs = problem.constexprs
-    # The inversion for dK / dV reads only the selection: its sorts and small kernels run
-    # beside the dQ passes instead of between them and the dK / dV pass. With the
-    # compressed branch's backward also beside them (gate_combine._branches_backward), the
-    # layer benchmark's compiled step at n = 8192 on an H100 took 3.435-3.446 -> 3.388-3.399
-    # ms (medians of 40 steps, three runs each); at 65536 36.40-36.48 -> 36.02-36.44 ms.
-    table, _ = side_by_side(
-        q.device,
-        lambda: _key_block_entries(problem, sel_idx, sel_mask, q.element_size()) if constexprs["NUM_SETS"] else None,
-        dq_launches,
-    )
+    if table is None:
+        # The inversion for dK / dV reads only the selection: its sorts and small kernels
+        # run beside the dQ passes instead of between them and the dK / dV pass.
+        table, _ = side_by_side(q.device, lambda: _invert(problem, indices, fmask, q), dq_launches, urgent=True)
+    else:
+        dq_launches()
     if constexprs["NUM_SETS"]:
         ordered = table.chunk_order is not None
         rows_per_entry = triton.next_power_of_2(hq // hs)
@@ -1180,17 +1199,27 @@ def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, 
     )
 
 
+def _invert(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor, q: torch.Tensor) -> _KeyBlockEntries | None:
+    """The selection's inversion for dK / dV (``_key_block_entries``), None without key sets."""
+    if not problem.constexprs["NUM_SETS"]:
+        return None
+    sel_idx, sel_mask, _ = _selection_operands(indices, fmask, None, indices)
+    return _key_block_entries(problem, sel_idx, sel_mask, q.element_size())
+
+
 def _fake_forward(q, k, v, indices, fmask, sel_scale, block_size, causal, window, scale, q_offset=0,
-                  gates=None, compressed_out=None):
+                  gates=None, compressed_out=None, invert=False):
     b, hq, n, d = q.shape
+    problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale, q_offset)
     lse = q.new_empty((b, hq, n), dtype=torch.float32)
     merged = q.new_empty(0)
-    if gates is not None and _folds_gates(_problem(q, k, indices, sel_scale is not None, block_size, causal,
-                                                   window, scale, q_offset)):
+    if gates is not None and _folds_gates(problem):
         merged = q.new_empty((b, n, hq * d), dtype=_merged_dtype(gates, q))
+    table = (_fake_key_block_entries(problem, q.element_size(), q.device)
+             if invert and problem.constexprs["NUM_SETS"] else [])
     if window is None:
-        return q.new_empty(q.shape), lse, q.new_empty(0), lse.new_empty(0), merged
-    return q.new_empty(q.shape), lse, q.new_empty(q.shape), lse.new_empty(lse.shape), merged
+        return q.new_empty(q.shape), lse, q.new_empty(0), lse.new_empty(0), merged, table
+    return q.new_empty(q.shape), lse, q.new_empty(q.shape), lse.new_empty(lse.shape), merged, table
 
 
 @launcher_op("selection_forward", _fake_forward)
@@ -1198,17 +1227,38 @@ def _launch_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, fmask: torch.Tensor,
     sel_scale: torch.Tensor | None, block_size: int, causal: bool, window: int | None, scale: float,
     q_offset: int = 0, gates: torch.Tensor | None = None, compressed_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (out, lse, swa_out, swa_lse, merged); swa_out and swa_lse are empty when window
-    is None. With ``gates`` [3, b, hq, n] and the compressed branch's ``compressed_out``
-    (contiguous, q's shape), ``merged`` is the layer's gated sum [b, n, hq * d] where the
-    launch can fold it in (``_folds_gates``), empty otherwise."""
+    invert: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """-> (out, lse, swa_out, swa_lse, merged, table); swa_out and swa_lse are empty when
+    window is None. With ``gates`` [3, b, hq, n] and the compressed branch's
+    ``compressed_out`` (contiguous, q's shape), ``merged`` is the layer's gated sum
+    [b, n, hq * d] where the launch can fold it in (``_folds_gates``), empty otherwise.
+    ``invert``: ``table`` is the selection's inversion for the backward's dK / dV pass
+    (``_KeyBlockEntries.tensors()``, or none without key sets), computed beside the
+    forward's launches; empty otherwise.
+
+    Queued beside the backward's dQ pass, the inversion waited for SMs: its sort's memset
+    nodes wait for the pass's grid to drain, also from a stream of higher priority, so
+    the sort ran between the dQ and the dK / dV passes (0.11 ms of a compiled step at
+    n = 8192 on an H100, 32 heads on 2 kv heads). Beside the forward's launches it has
+    the rest of the forward to finish in: the layer benchmark's compiled step took
+    3.288-3.317 -> 3.271-3.285 ms at 8192 (medians of 40 steps, three runs each; at 65536
+    no difference beyond the runs' spread). The backward's GPU is busy throughout, so
+    most of what the sort left idle went to the kernels beside the dK / dV pass.
+    """
     problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale, q_offset)
-    return _forward(problem, q, k, v, indices, fmask, sel_scale, gates=gates, compressed_out=compressed_out)
+
+    def forward():
+        return _forward(problem, q, k, v, indices, fmask, sel_scale, gates=gates, compressed_out=compressed_out)
+
+    if not invert:
+        return *forward(), []
+    table, outputs = side_by_side(q.device, lambda: _invert(problem, indices, fmask, q), forward, urgent=True)
+    return *outputs, ([] if table is None else table.tensors())
 
 
 def _fake_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse, d_out, d_swa_out,
-                   block_size, causal, window, scale):
+                   block_size, causal, window, scale, table):
     dsel = q.new_empty(0) if sel_scale is None else sel_scale.new_empty(indices.shape)
     delta = lse.new_empty(lse.shape)
     swa_delta = lse.new_empty(lse.shape if window is not None and d_swa_out is not None else (0,))
@@ -1220,32 +1270,37 @@ def _launch_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, fmask: torch.Tensor,
     sel_scale: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, swa_out: torch.Tensor,
     swa_lse: torch.Tensor, d_out: torch.Tensor | None, d_swa_out: torch.Tensor | None,
-    block_size: int, causal: bool, window: int | None, scale: float,
+    block_size: int, causal: bool, window: int | None, scale: float, table: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv, dsel_scale, delta, swa_delta); dsel_scale is empty when sel_scale is
     None, swa_delta without the window's gradient. delta, swa_delta: [b, hq, n] float32,
-    the softmax-backward corrections rowsum(d_out * out) and rowsum(d_swa_out * swa_out)."""
+    the softmax-backward corrections rowsum(d_out * out) and rowsum(d_swa_out * swa_out).
+    ``table``: the forward's inversion (``_launch_forward(..., invert=True)``), or none."""
     problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale)
     saved = (q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse)
-    return _backward(problem, saved, d_out, d_swa_out)
+    num_keys = problem.batch * problem.kv_heads * problem.num_blocks
+    inverted = _KeyBlockEntries.from_tensors(table, num_keys) if table else None
+    return _backward(problem, saved, d_out, d_swa_out, inverted)
 
 
 class _SelectionAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sel_scale, indices, fmask, block_size, causal, window, scale, q_offset):
+    def forward(ctx, q, k, v, sel_scale, indices, fmask, block_size, causal, window, scale, q_offset, invert):
         options = (block_size, causal, window, scale)
-        out, lse, swa_out, swa_lse, _ = _launch_forward(q, k, v, indices, fmask, sel_scale, *options, q_offset)
+        out, lse, swa_out, swa_lse, _, table = _launch_forward(
+            q, k, v, indices, fmask, sel_scale, *options, q_offset, invert=invert
+        )
         ctx.options = options
-        ctx.save_for_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse)
+        ctx.save_for_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse, *table)
         ctx.mark_non_differentiable(lse)
         return out, (swa_out if window is not None else None), lse
 
     @staticmethod
     def backward(ctx, d_out, d_swa_out, _d_lse):
-        saved = ctx.saved_tensors
-        dq, dk, dv, dsel, _, _ = _launch_backward(*saved, d_out, d_swa_out, *ctx.options)
+        saved, table = ctx.saved_tensors[:10], list(ctx.saved_tensors[10:])
+        dq, dk, dv, dsel, _, _ = _launch_backward(*saved, d_out, d_swa_out, *ctx.options, table)
         has_sel_scale = saved[5] is not None
-        return dq, dk, dv, (dsel if has_sel_scale else None), None, None, None, None, None, None, None
+        return dq, dk, dv, (dsel if has_sel_scale else None), None, None, None, None, None, None, None, None
 
 
 def selection_attention(
@@ -1270,9 +1325,11 @@ def selection_attention(
     selected_block_indices, fmask, sel_scale: [b, hs, m, sel] with hs in {hk, hq}.
     Returns (out [b, hq, m, d], sliding_out [b, hq, m, d] or None, lse [b, hq, m] float32).
     """
+    # The backward's inversion runs beside the forward's launches where a backward will follow.
+    invert = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sel_scale))
     return _SelectionAttention.apply(
         q, k, v, sel_scale, selected_block_indices, fmask, block_size, include_block_causal,
-        sliding_window_size, scale, q_offset,
+        sliding_window_size, scale, q_offset, invert,
     )
 
 
