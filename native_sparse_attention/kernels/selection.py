@@ -67,7 +67,8 @@ Key side: a key block is selected by arbitrary queries, so no query-side program
 its dK / dV. Adding them atomically from the query side costs one float32 atomic per
 key element per (query, kv head): far more traffic than the keys themselves. Instead the
 selection is inverted on the device (``_key_block_entries``: ``_entry_keys_kernel``
-labels every entry with its key, a stable sort groups them), and
+labels every entry with its key, a stable sort groups them; in the forward, beside its
+launches, where a backward will follow), and
 
 - ``_dkv_kernel``: one program per chunk of the entries of one key block, one fine tile
   of it per grid column. It gathers the entries' q and dO rows M at a time, keeps
