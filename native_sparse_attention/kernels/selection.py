@@ -1121,9 +1121,10 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
 
     constexprs = problem.constexprs
     if table is None:
-        # The inversion for dK / dV reads only the selection: its sorts and small kernels
-        # run beside the dQ passes instead of between them and the dK / dV pass.
-        table, _ = side_by_side(q.device, lambda: _invert(problem, indices, fmask, q), dq_launches, urgent=True)
+        # Not inverted in the forward: the inversion reads only the selection, so it runs
+        # beside the dQ passes, as far as their grids leave it SMs (``_launch_forward``).
+        table, _ = side_by_side(q.device, lambda: _invert(problem, indices, fmask, q.element_size()), dq_launches,
+                                urgent=True)
     else:
         dq_launches()
     if constexprs["NUM_SETS"]:
@@ -1200,12 +1201,14 @@ def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, 
     )
 
 
-def _invert(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor, q: torch.Tensor) -> _KeyBlockEntries | None:
-    """The selection's inversion for dK / dV (``_key_block_entries``), None without key sets."""
+def _invert(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor,
+            element_size: int) -> _KeyBlockEntries | None:
+    """The selection's inversion for dK / dV (``_key_block_entries``; ``element_size``:
+    bytes per element of q and dO), None without key sets."""
     if not problem.constexprs["NUM_SETS"]:
         return None
     sel_idx, sel_mask, _ = _selection_operands(indices, fmask, None, indices)
-    return _key_block_entries(problem, sel_idx, sel_mask, q.element_size())
+    return _key_block_entries(problem, sel_idx, sel_mask, element_size)
 
 
 def _fake_forward(q, k, v, indices, fmask, sel_scale, block_size, causal, window, scale, q_offset=0,
@@ -1254,7 +1257,8 @@ def _launch_forward(
 
     if not invert:
         return *forward(), []
-    table, outputs = side_by_side(q.device, lambda: _invert(problem, indices, fmask, q), forward, urgent=True)
+    table, outputs = side_by_side(q.device, lambda: _invert(problem, indices, fmask, q.element_size()), forward,
+                                   urgent=True)
     return *outputs, ([] if table is None else table.tensors())
 
 
