@@ -988,7 +988,8 @@ class _KeyBlockEntries:
     @staticmethod
     def from_tensors(tensors: list[torch.Tensor], num_keys: int) -> _KeyBlockEntries:
         entries, first_entry, first_chunk, chunk_key, order = tensors
-        return _KeyBlockEntries(entries, first_entry, first_chunk, chunk_key, order if order.numel() else None, num_keys)
+        order = order if order.numel() else None
+        return _KeyBlockEntries(entries, first_entry, first_chunk, chunk_key, order, num_keys)
 
 
 def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor,
