@@ -865,6 +865,11 @@ class _Problem:
     def num_blocks(self) -> int:
         return triton.cdiv(self.seq_len, self.block_size)
 
+    @property
+    def num_key_blocks(self) -> int:
+        """Key blocks of all batches and kv heads: the keys the inversion sorts entries by."""
+        return self.batch * self.kv_heads * self.num_blocks
+
 
 def _key_tiles(k: torch.Tensor, v: torch.Tensor, d: int):
     """``tiles(rows)``: the TMA descriptors of [rows, D_PAD] tiles of the keys and values
@@ -1011,7 +1016,7 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     """
     b, hs, n, device = problem.batch, problem.selection_heads, problem.seq_len, indices.device
     constexprs = problem.constexprs
-    num_keys = b * problem.kv_heads * problem.num_blocks
+    num_keys = problem.num_key_blocks
     # Each halving of the keys' width halves the radix sort's passes (NUM_KEYS itself
     # marks the entries without a key).
     key_dtype = next(dtype for dtype in (torch.int16, torch.int32, torch.int64) if num_keys < torch.iinfo(dtype).max)
@@ -1048,7 +1053,7 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
 
 def _fake_key_block_entries(problem: _Problem, element_size: int, device: torch.device) -> list[torch.Tensor]:
     """``_key_block_entries(...).tensors()``'s shapes and dtypes."""
-    num_keys = problem.batch * problem.kv_heads * problem.num_blocks
+    num_keys = problem.num_key_blocks
     num_entries = problem.batch * problem.selection_heads * problem.seq_len * problem.constexprs["NUM_SETS"]
     max_chunks = triton.cdiv(num_entries, problem.config.dkv_chunk) + num_keys
     order = max_chunks if _orders_chunks(problem, element_size, device) else 0
@@ -1284,8 +1289,7 @@ def _launch_backward(
     ``table``: the forward's inversion (``_launch_forward(..., invert=True)``), or none."""
     problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale)
     saved = (q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse)
-    num_keys = problem.batch * problem.kv_heads * problem.num_blocks
-    inverted = _KeyBlockEntries.from_tensors(table, num_keys) if table else None
+    inverted = _KeyBlockEntries.from_tensors(table, problem.num_key_blocks) if table else None
     return _backward(problem, saved, d_out, d_swa_out, inverted)
 
 
