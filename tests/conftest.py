@@ -6,6 +6,7 @@ variable must be set before triton is first imported, which is why it lives here
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -31,3 +32,20 @@ def _fix_interpreter_index_for_numpy_2_4():
 
 if INTERPRETED:
     _fix_interpreter_index_for_numpy_2_4()
+
+
+def nan_filled(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A stand-in for a kernel module's buffer allocator: NaN (-7 for integer dtypes), so
+    that whatever a kernel leaves unwritten shows in the results."""
+    return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """``poison(module, name="_allocate")``: the module's allocator returns ``nan_filled``
+    buffers for the rest of the test."""
+
+    def apply(module, name: str = "_allocate") -> None:
+        monkeypatch.setattr(module, name, nan_filled)
+
+    return apply
