@@ -99,12 +99,16 @@ class CompressMLP(nn.Module):
         # (kernels/compress_mlp.py), in the dtype autocast would give the Linear layers.
         from native_sparse_attention.kernels.compress_mlp import relu_mlp
 
-        autocast = torch.is_autocast_enabled("cuda") and flat.dtype != torch.float64  # autocast leaves float64
-        dtype = torch.get_autocast_dtype("cuda") if autocast else flat.dtype
-        rows = flat.reshape(-1, flat.shape[-1]).to(dtype).contiguous()
+        rows = flat.reshape(-1, flat.shape[-1]).to(self.compute_dtype(flat.dtype)).contiguous()
         first, _, second = self.net
         out = relu_mlp(rows, *(p.contiguous() for p in (first.weight, first.bias, second.weight, second.bias)))
         return out.view(*flat.shape[:-1], out.shape[-1])
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype in which the fused node computes on CUDA windows of ``dtype``: the one
+        autocast would give the Linear layers."""
+        autocast = torch.is_autocast_enabled("cuda") and dtype != torch.float64  # autocast leaves float64
+        return torch.get_autocast_dtype("cuda") if autocast else dtype
 
     def fusable(self) -> bool:
         """Whether ``net`` is as constructed, so that ``relu_mlp`` computes its forward: a

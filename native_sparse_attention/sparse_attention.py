@@ -305,10 +305,7 @@ class SparseAttention(nn.Module):
             raise ValueError("return_cache needs a causal layer (causal=True)")
 
         fast = self._use_fast_path(x)
-        x_normed = self.norm(x)
-        if fast:
-            x_normed = _in_autocast_dtype(x_normed)
-        q, k, v, rq, rk, gates = self._project(x_normed)
+        q, k, v, rq, rk, gates = self._project(self._normed(x, fast))
         ck, cv = self._compress(k, v)
 
         if fast and self.use_triton_kernel and not self.use_diff_topk:
@@ -341,6 +338,31 @@ class SparseAttention(nn.Module):
 
     def _use_fast_path(self, x: torch.Tensor) -> bool:
         return (self.use_triton_kernel or self.use_flex_attention) and x.is_cuda
+
+    def _normed(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
+        """The normed input [b, n, dim]; on the fast paths in autocast's dtype, and in eager
+        steps written so by one kernel where the norm is a plain ``nn.RMSNorm``
+        (``kernels/rms_norm.py``; compiled steps leave the norm and the cast to Inductor)."""
+        if not fast:
+            return self.norm(x)
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if self._kernel_norm(x, autocast):
+            from native_sparse_attention.kernels.rms_norm import rms_norm
+
+            eps = self.norm.eps if self.norm.eps is not None else torch.finfo(x.dtype).eps
+            return rms_norm(x, self.norm.weight, eps, torch.get_autocast_dtype(x.device.type) if autocast else x.dtype)
+        return _in_autocast_dtype(self.norm(x))
+
+    def _kernel_norm(self, x: torch.Tensor, autocast: bool) -> bool:
+        """Whether ``_normed`` takes the RMSNorm kernel: a norm as constructed (a subclass or
+        a hook expects its forward), outside compiled graphs, on a float32 input under
+        autocast (whose norm autocast leaves in float32) or any kernel dtype without."""
+        from native_sparse_attention.kernels.rms_norm import KERNEL_DTYPES, MAX_COLUMNS
+
+        norm = self.norm
+        return (type(norm) is nn.RMSNorm and not has_hooks(norm) and norm.weight is not None
+                and norm.weight.dtype in KERNEL_DTYPES and not torch.compiler.is_compiling()
+                and (x.dtype == torch.float32 if autocast else x.dtype in KERNEL_DTYPES) and x.shape[-1] <= MAX_COLUMNS)
 
     def _project(self, x_normed: torch.Tensor, offset: int = 0, fold_gates: bool = True):
         """x_normed: [b, n, dim] at positions ``offset ..`` -> q: [b, hq, n, d], k, v: [b, hk, n, d],
@@ -376,8 +398,32 @@ class SparseAttention(nn.Module):
         if num_windows == 0:
             empty = k.new_empty(*k.shape[:2], 0, k.shape[-1])
             return empty, empty
+        if self._kernel_windows(k, v):
+            return self._compress_kernel_windows(k, v)
         k_windows, v_windows = (sliding_windows(t, self.compress_block_size, self.compress_stride) for t in (k, v))
         return self._compress_windows(k_windows, v_windows)
+
+    def _kernel_windows(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether eager steps of the fast path make the windows with their positions on
+        the Triton kernels (compiled ones leave them to Inductor, which fuses them)."""
+        from native_sparse_attention.kernels.compress_windows import KERNEL_DTYPES
+
+        tensors = (k, v, self.intrablock_pos_k, self.intrablock_pos_v)
+        return (self._use_fast_path(k) and not torch.compiler.is_compiling()
+                and all(t.dtype in KERNEL_DTYPES for t in tensors))
+
+    def _compress_kernel_windows(self, k: torch.Tensor, v: torch.Tensor):
+        """``_compress`` with each window and its positions written by one kernel, in the
+        dtype the compression network computes in where that is a fused ``CompressMLP``."""
+        from native_sparse_attention.kernels.compress_windows import positioned_windows
+
+        def compress(t, pos, network):
+            dtype = torch.promote_types(t.dtype, pos.dtype)
+            if isinstance(network, CompressMLP) and t.is_cuda and network.fusable():
+                dtype = network.compute_dtype(dtype)
+            return network(positioned_windows(t, pos, self.compress_block_size, self.compress_stride, dtype))
+
+        return compress(k, self.intrablock_pos_k, self.compress_k), compress(v, self.intrablock_pos_v, self.compress_v)
 
     def _with_memory(self, ck: torch.Tensor, cv: torch.Tensor):
         """Prepend the memory key/values: [b, hk, nc, d] -> [b, hk, num_mem + nc, d]."""
@@ -572,10 +618,7 @@ class SparseAttention(nn.Module):
         self._check_cache(x, cache)
         position = cache.seq_len
         fast = self.use_triton_kernel and self._use_fast_path(x)
-        x_normed = self.norm(x)
-        if fast:
-            x_normed = _in_autocast_dtype(x_normed)
-        q, k, v, rq, rk, gates = self._project(x_normed, offset=position, fold_gates=False)
+        q, k, v, rq, rk, gates = self._project(self._normed(x, fast), offset=position, fold_gates=False)
         keys = torch.cat((cache.keys, rk), dim=2)
         values = torch.cat((cache.values, v), dim=2)
         # Blocks that x completes are compressed before attending: causal masking shows each

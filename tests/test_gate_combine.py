@@ -62,6 +62,25 @@ def test_rejects_mismatched_shapes():
         gated_sum(torch.zeros(3, 1, 2, 4, device=DEVICE), branch, branch, branch[..., :4])
 
 
+@pytest.mark.parametrize("b, h, n", [(2, 3, 1100), (1, 2, 5)])
+def test_folded_lses_match_their_expression(poison, b, h, n):
+    poison(gate_combine)
+    gen = torch.Generator().manual_seed(n)
+    # The layer's gates: a view of [b, n, 3h] sigmoids, some exactly 0; LSEs contiguous,
+    # tokens-major and -inf (rows without keys).
+    gates = rearrange(torch.rand(b, n, h * 3, generator=gen), "b n (h s) -> s b h n", s=3).to(DEVICE)
+    gates[:, :, :, ::7] = 0
+    lse_c = torch.randn(b, h, n, generator=gen).to(DEVICE)
+    lse_s = torch.randn(b, n, h, generator=gen).to(DEVICE).transpose(1, 2)
+    lse_w = torch.randn(b, h, n, generator=gen).to(DEVICE)
+    lse_w[:, :, ::5] = float("-inf")
+    folded = gate_combine._folded_lses(gates, lse_c, lse_s, lse_w)
+    want = torch.where(gates > 0, torch.stack((lse_c, lse_s, lse_w)) - gates.log(), float("inf"))
+    assert folded.is_contiguous() and folded.dtype == torch.float32
+    torch.testing.assert_close(folded, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(folded.isinf(), want.isinf())
+
+
 # float16 takes the launch configuration whose window tiles run in a launch of their own,
 # so that the selection's launch writes the gated sum itself; float32 runs the gated-sum
 # kernel after it.
@@ -69,12 +88,10 @@ def test_rejects_mismatched_shapes():
 @pytest.mark.parametrize("causal, share_selection, num_mem, dtype, project",
                          [(True, True, 0, torch.float32, False), (False, False, 1, torch.float32, True),
                           (True, True, 0, torch.float16, True), (True, False, 1, torch.float16, False)])
-def test_gated_branches_match_references(monkeypatch, causal, share_selection, num_mem, dtype, project):
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
-
-    monkeypatch.setattr(selection_kernels, "_empty", poisoned)
-    monkeypatch.setattr(compressed_kernels, "_allocate", poisoned)
+def test_gated_branches_match_references(monkeypatch, poison, causal, share_selection, num_mem, dtype, project):
+    poison(selection_kernels, "_empty")
+    poison(compressed_kernels)
+    poison(gate_combine)
     gated_sum_launches = []
     gated_sum_kernel = gate_combine._forward
     monkeypatch.setattr(gate_combine, "_forward", lambda *args: gated_sum_launches.append(1) or gated_sum_kernel(*args))

@@ -1,0 +1,105 @@
+"""The compression windows with their positions (``kernels/compress_windows.py``) against
+unfold plus the positions in PyTorch: the forward bit for bit against the float32 add and
+cast, the gradients of the tokens and the positions against float64.
+
+Without CUDA the kernels run under the Triton interpreter on small problems; the ``gpu``
+test runs them at the layer benchmark's sizes. Every buffer the kernels write starts
+poisoned with NaN.
+"""
+
+import os
+
+import pytest
+import torch
+
+from native_sparse_attention.kernels import compress_windows
+from native_sparse_attention.kernels.compress_windows import positioned_windows
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(poison):
+    poison(compress_windows)
+
+
+def reference(t, pos, size, stride):
+    """unfold's windows plus the positions, [b, h, w, size, d], in t's and pos's
+    promoted dtype (as the layer's eager add)."""
+    return t.unfold(2, size, stride).transpose(-1, -2) + pos[:, None]
+
+
+def projection_view(b, h, n, d, dtype, gen):
+    """Keys as the layer sees them: heads of a wider [b, n, columns] projection."""
+    columns = torch.randn(b, n, (h + 3) * d + 5, generator=gen).to(DEVICE, dtype)
+    return columns[..., d: d + h * d].unflatten(-1, (h, d)).transpose(1, 2)
+
+
+def check(b, h, n, d, size, stride, t_dtype, pos_dtype, out_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    t = projection_view(b, h, n, d, t_dtype, gen)
+    pos = (torch.randn(h, size, d, generator=gen) * 0.1).to(DEVICE, pos_dtype)
+    t.requires_grad_()
+    pos.requires_grad_()
+    out = positioned_windows(t, pos, size, stride, out_dtype)
+    want = reference(t.detach(), pos.detach(), size, stride)
+    assert out.dtype == out_dtype and out.is_contiguous()
+    assert torch.equal(out, want.float().to(out_dtype)), "not the float32 sum rounded once"
+
+    grad = torch.randn(out.shape, generator=gen).to(DEVICE, out_dtype)
+    dt, dpos = torch.autograd.grad(out, (t, pos), grad)
+    t64, pos64 = (x.detach().double().requires_grad_() for x in (t, pos))
+    want_dt, want_dpos = torch.autograd.grad(reference(t64, pos64, size, stride), (t64, pos64), grad.double())
+    assert dt.dtype == t_dtype and dpos.dtype == pos_dtype
+    tolerance = 1e-6 if t_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(dt.double(), want_dt, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(dpos.double(), want_dpos, rtol=1e-5 if pos_dtype == torch.float32 else 1e-2,
+                               atol=1e-5 if pos_dtype == torch.float32 else 1e-2)
+    # Tokens past the last window get no gradient; every other one some.
+    windows = out.shape[2]
+    covered = (windows - 1) * stride + size
+    assert torch.all(dt[:, :, covered:] == 0)
+    assert torch.all(dt[:, :, :covered].abs().amax(-1) > 0)
+
+
+@pytest.mark.parametrize(
+    "b, h, n, d, size, stride",
+    [
+        (1, 2, 70, 16, 8, 4),  # windows overlapping by half, a partial stride at the end
+        (2, 1, 41, 12, 5, 3),  # size not a multiple of stride, d not a power of two
+        (1, 3, 33, 16, 8, 8),  # windows side by side
+        (1, 1, 7, 8, 7, 2),  # exactly one window
+    ],
+)
+def test_matches_unfold_plus_positions(b, h, n, d, size, stride):
+    check(b, h, n, d, size, stride, torch.float32, torch.float32, torch.float32, seed=n + d)
+
+
+@pytest.mark.parametrize("t_dtype, out_dtype", [(torch.float16, torch.float16), (torch.float16, torch.float32),
+                                                (torch.float32, torch.float16)])
+def test_mixed_precision(t_dtype, out_dtype):
+    # The layer under autocast: 16-bit keys, float32 positions, rows for a 16-bit MLP.
+    check(1, 2, 45, 16, 8, 4, t_dtype, torch.float32, out_dtype, seed=3)
+
+
+def test_rejects_what_it_cannot_window():
+    t = torch.zeros(1, 2, 10, 8, device=DEVICE)
+    pos = torch.zeros(2, 4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="pos"):
+        positioned_windows(t, pos[:1], 4, 2, torch.float32)
+    with pytest.raises(ValueError, match="stride"):
+        positioned_windows(t, pos, 4, 5, torch.float32)
+    with pytest.raises(ValueError, match="tokens"):
+        positioned_windows(t[:, :, :3], pos, 4, 2, torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        positioned_windows(t, pos, 4, 2, torch.float64)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_benchmark_sizes(dtype):
+    check(1, 2, 8192 + 5, 64, 32, 16, dtype, torch.float32, dtype, seed=0)
