@@ -380,11 +380,9 @@ class SparseAttention(nn.Module):
         else:
             projection = self.to_qkv(x_normed)
         q, k, v, rq, rk, logits = self.rotary.split_heads(projection, self.heads, self.kv_heads, offset)
-        if not fold_gates:
-            logits = gate_projection(x_normed)
-        elif gate_projection.bias is not None:
-            logits = logits + gate_projection.bias.to(logits.dtype)
-        return q, k, v, rq, rk, self._gates(logits)
+        if fold_gates:
+            return q, k, v, rq, rk, self._gates(logits, gate_projection.bias)
+        return q, k, v, rq, rk, self._gates(gate_projection(x_normed))
 
     def _compress_windows(self, k_windows: torch.Tensor, v_windows: torch.Tensor):
         """k_windows, v_windows: [b, hk, w, compress_block_size, d] -> ck, cv: [b, hk, w, d]."""
@@ -536,21 +534,36 @@ class SparseAttention(nn.Module):
             self._record(selected_indices=selection.indices, selected_mask=selection.mask)
         return out if project else self.to_out(out)
 
-    def _gates(self, logits: torch.Tensor) -> torch.Tensor:
-        """The gate logits [b, n, 3 * h] -> the branches' gates [3, b, h, n] (compressed,
-        selected, sliding)."""
-        _, to_branches_first, sigmoid = self.to_gates
-        logits = to_branches_first(logits)
-        if torch.compiler.is_compiling():
-            # Stored branch-major, the layout of the LSEs the gates are folded into
-            # (gate_combine), by the kernel that takes the sigmoid: compiled, a sigmoid
-            # computed through the rearranged view moved 6 of every 192 bytes it read
-            # (0.07 ms at n = 65536 on an H100). Eager steps would pay a copy's launch.
-            logits = logits.contiguous()
-        gates = sigmoid(logits).squeeze(-1)
+    def _gates(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The gate logits [b, n, 3 * h] and their bias [3 * h] (none where the projection
+        added its own) -> the branches' gates [3, b, h, n] (compressed, selected, sliding).
+        Eager steps of the fast paths take them from one Triton node
+        (``kernels/gate_sigmoid.py``)."""
+        if self._kernel_gates(logits, bias):
+            from native_sparse_attention.kernels.gate_sigmoid import gate_sigmoids
+
+            gates = gate_sigmoids(logits, bias)
+        else:
+            _, to_branches_first, sigmoid = self.to_gates
+            if bias is not None:
+                logits = logits + bias.to(logits.dtype)
+            logits = to_branches_first(logits)
+            if torch.compiler.is_compiling():
+                # Stored branch-major, the layout of the LSEs the gates are folded into
+                # (gate_combine), by the kernel that takes the sigmoid: compiled, a sigmoid
+                # computed through the rearranged view moved 6 of every 192 bytes it read
+                # (0.07 ms at n = 65536 on an H100).
+                logits = logits.contiguous()
+            gates = sigmoid(logits).squeeze(-1)
         if self.recorder is not None:
             self._record(gates=gates)
         return gates
+
+    def _kernel_gates(self, logits: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        from native_sparse_attention.kernels.gate_sigmoid import KERNEL_DTYPES
+
+        return (self._use_fast_path(logits) and not torch.compiler.is_compiling() and not has_hooks(self.to_gates[2])
+                and logits.dtype in KERNEL_DTYPES and (bias is None or bias.dtype in KERNEL_DTYPES))
 
     def _combine(self, gates, compressed_out, selected_out, sliding_out, fused: bool = False) -> torch.Tensor:
         """Gate ([3, b, hq, n]) and sum the branch outputs ([b, hq, n, d] each), merge heads,
