@@ -303,7 +303,8 @@ def report(results: dict[int, dict[str, Measurement]], profile_summary: str | No
         "",
         "dim 2048, 32 query heads, 2 kv heads, head dim 64, sliding window 512, compression 32 / "
         "stride 16, selection blocks 64, 16 selected, causal, bf16 autocast, batch 1. NSA: "
-        "`SparseAttention(use_triton_kernel=True)`; dense: `FullAttention` (SDPA). Medians of "
+        "`SparseAttention(use_triton_kernel=True)`; dense: `FullAttention` (SDPA; its input normed "
+        "by the same RMSNorm node as NSA's in eager steps). Medians of "
         "CUDA-event timings; fwd is a training forward (autograd on); peak is "
         "`torch.cuda.max_memory_allocated` over one forward + backward, input (fp32, requires "
         "grad) and weights included. CUDA graph: the eager step captured once "

@@ -51,8 +51,9 @@ class FullAttention(nn.Module):
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape [batch, seq_len, {self.dim}], got {tuple(x.shape)}")
         offset = 0 if cache is None else cache.seq_len
+        normed = self._normed(x)
         # Only the rotated queries and keys are attended.
-        _, _, v, q, k, _ = self.rotary.split_heads(self.to_qkv(self.norm(x)), self.heads, self.kv_heads, offset)
+        _, _, v, q, k, _ = self.rotary.split_heads(self.to_qkv(normed), self.heads, self.kv_heads, offset)
         if cache is not None:
             k = torch.cat((cache.keys, k), dim=2)
             v = torch.cat((cache.values, v), dim=2)
@@ -70,3 +71,12 @@ class FullAttention(nn.Module):
         )
         out = self.to_out(rearrange(out, "b h n d -> b n (h d)"))
         return (out, FullAttentionCache(k, v)) if return_cache else out
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The normed input; on CUDA as the sparse layer norms it on its fast paths, so that
+        the two layers differ in their attention alone."""
+        if not x.is_cuda:
+            return self.norm(x)
+        from native_sparse_attention.kernels.rms_norm import normed_for_projection
+
+        return normed_for_projection(self.norm, x)

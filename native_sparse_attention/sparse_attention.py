@@ -92,18 +92,6 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
-    """x in autocast's dtype, when autocast is on, for both the qkv and the gate projections.
-
-    Left to autocast, each projection makes its own copy of x (a pass over [b, n, dim]),
-    and the backward casts both gradients to float32 to sum them; with one copy they are
-    summed in autocast's dtype and cast once."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return x
-    return x.to(torch.get_autocast_dtype(device))
-
-
 def _plain_linear(module: nn.Module) -> bool:
     """Whether ``module`` is an ``nn.Linear`` as constructed, without hooks: one whose
     matmul the layer may fold into its own (a subclass, or a hook, expects its forward)."""
@@ -340,29 +328,13 @@ class SparseAttention(nn.Module):
         return (self.use_triton_kernel or self.use_flex_attention) and x.is_cuda
 
     def _normed(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
-        """The normed input [b, n, dim]; on the fast paths in autocast's dtype, and in eager
-        steps written so by one kernel where the norm is a plain ``nn.RMSNorm``
-        (``kernels/rms_norm.py``; compiled steps leave the norm and the cast to Inductor)."""
+        """The normed input [b, n, dim]; on the fast paths in autocast's dtype
+        (``kernels/rms_norm.normed_for_projection``)."""
         if not fast:
             return self.norm(x)
-        autocast = torch.is_autocast_enabled(x.device.type)
-        if self._kernel_norm(x, autocast):
-            from native_sparse_attention.kernels.rms_norm import rms_norm
+        from native_sparse_attention.kernels.rms_norm import normed_for_projection
 
-            eps = self.norm.eps if self.norm.eps is not None else torch.finfo(x.dtype).eps
-            return rms_norm(x, self.norm.weight, eps, torch.get_autocast_dtype(x.device.type) if autocast else x.dtype)
-        return _in_autocast_dtype(self.norm(x))
-
-    def _kernel_norm(self, x: torch.Tensor, autocast: bool) -> bool:
-        """Whether ``_normed`` takes the RMSNorm kernel: a norm as constructed (a subclass or
-        a hook expects its forward), outside compiled graphs, on a float32 input under
-        autocast (whose norm autocast leaves in float32) or any kernel dtype without."""
-        from native_sparse_attention.kernels.rms_norm import KERNEL_DTYPES, MAX_COLUMNS
-
-        norm = self.norm
-        return (type(norm) is nn.RMSNorm and not has_hooks(norm) and norm.weight is not None
-                and norm.weight.dtype in KERNEL_DTYPES and not torch.compiler.is_compiling()
-                and (x.dtype == torch.float32 if autocast else x.dtype in KERNEL_DTYPES) and x.shape[-1] <= MAX_COLUMNS)
+        return normed_for_projection(self.norm, x)
 
     def _project(self, x_normed: torch.Tensor, offset: int = 0, fold_gates: bool = True):
         """x_normed: [b, n, dim] at positions ``offset ..`` -> q: [b, hq, n, d], k, v: [b, hk, n, d],

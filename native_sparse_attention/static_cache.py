@@ -119,11 +119,11 @@ def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAtte
     from native_sparse_attention.kernels.compressed import compressed_attend_and_select_at
     from native_sparse_attention.kernels.rotary import rotate_at
     from native_sparse_attention.kernels.selection import selection_attention_at
-    from native_sparse_attention.sparse_attention import _in_autocast_dtype
+    from native_sparse_attention.kernels.rms_norm import normed_for_projection
 
     _check(layer, x, cache)
     position = cache.position
-    x_normed = _in_autocast_dtype(layer.norm(x))
+    x_normed = normed_for_projection(layer.norm, x)
     q, k, v, _ = split_qkv_heads(layer.to_qkv(x_normed), layer.heads, layer.kv_heads, layer.dim_head)
     rq, rk = (rotate_at(t, layer.rotary.inv_freq, position) for t in (q, k))
     gates = layer._gates(layer.to_gates[0](x_normed))

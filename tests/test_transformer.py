@@ -1,5 +1,6 @@
 """The decoder LM: loss, sampling, and cached decoding against recomputation."""
 
+import copy
 import gc
 import os
 import weakref
@@ -126,6 +127,31 @@ def test_full_attention_continues_from_a_cache(chunk):
     out, cache = attn(x[:, 7:7 + chunk], cache=cache, return_cache=True)
     torch.testing.assert_close(out, attn(x[:, :7 + chunk])[:, 7:])
     assert cache.seq_len == 7 + chunk
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_full_attention_on_cuda_matches_the_cpu(autocast):
+    """On CUDA the dense layer norms its input with the RMSNorm kernel node: its output
+    and gradients against the same layer's PyTorch ops on the CPU."""
+    torch.manual_seed(0)
+    layer = FullAttention(dim=256, dim_head=64, heads=4, kv_heads=2)
+    with torch.no_grad():
+        layer.norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 300, 256)
+    runs = []
+    for device in ("cpu", "cuda"):
+        model = copy.deepcopy(layer).to(device)
+        inputs = x.detach().to(device).requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = model(inputs)
+        out.float().square().sum().backward()
+        runs.append([out.float(), inputs.grad, *(p.grad for p in model.parameters())])
+    tolerance = 3e-2 if autocast else 1e-4
+    for cpu, cuda in zip(*runs):
+        error = (cuda.cpu() - cpu).abs().max() / cpu.abs().max()
+        assert error < tolerance
 
 
 def test_sampling_respects_the_filter_and_restores_training_mode():

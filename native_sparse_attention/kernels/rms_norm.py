@@ -24,8 +24,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
-__all__ = ["rms_norm", "MAX_COLUMNS", "KERNEL_DTYPES"]
+from native_sparse_attention.compress import has_hooks
+
+__all__ = ["rms_norm", "normed_for_projection", "MAX_COLUMNS", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Rows are held whole in registers; wider ones take PyTorch's norm.
@@ -126,3 +129,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
                          f"got {tuple(weight.shape)}")
     y = _RMSNorm.apply(x.reshape(-1, columns).contiguous(), weight.contiguous(), eps, dtype)
     return y.view(x.shape)
+
+
+def normed_for_projection(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` in autocast's dtype where autocast is on, the input the layers'
+    projections read; written by ``rms_norm`` in eager steps where ``norm`` is an
+    ``nn.RMSNorm`` as constructed (a subclass or a hook expects its forward) and the
+    input one it takes: float32 under autocast (which leaves the norm itself in float32),
+    any kernel dtype without. x: [..., C].
+
+    One copy in autocast's dtype serves every projection that reads it: left to autocast,
+    each projection makes its own (a pass over x), and the backward casts each gradient to
+    float32 to sum them; with one copy they are summed in autocast's dtype and cast once.
+    """
+    device = x.device.type
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    if (type(norm) is nn.RMSNorm and not has_hooks(norm) and norm.weight is not None
+            and norm.weight.dtype in KERNEL_DTYPES and not torch.compiler.is_compiling()
+            and (x.dtype == torch.float32 if autocast else x.dtype in KERNEL_DTYPES) and x.shape[-1] <= MAX_COLUMNS):
+        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+        return rms_norm(x, norm.weight, eps, dtype)
+    normed = norm(x)
+    return normed.to(dtype) if autocast else normed
