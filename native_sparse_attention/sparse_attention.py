@@ -376,7 +376,7 @@ class SparseAttention(nn.Module):
     def _kernel_windows(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether eager steps of the fast path make the windows with their positions on
         the Triton kernels (compiled ones leave them to Inductor, which fuses them)."""
-        from native_sparse_attention.kernels.compress_windows import KERNEL_DTYPES
+        from native_sparse_attention.kernels.library import KERNEL_DTYPES
 
         tensors = (k, v, self.intrablock_pos_k, self.intrablock_pos_v)
         return (self._use_fast_path(k) and not torch.compiler.is_compiling()
@@ -532,7 +532,9 @@ class SparseAttention(nn.Module):
         return gates
 
     def _kernel_gates(self, logits: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        from native_sparse_attention.kernels.gate_sigmoid import KERNEL_DTYPES
+        """Whether eager steps of the fast path take the gates from the Triton node
+        (compiled ones leave the PyTorch ops to Inductor, which fuses them)."""
+        from native_sparse_attention.kernels.library import KERNEL_DTYPES
 
         return (self._use_fast_path(logits) and not torch.compiler.is_compiling() and not has_hooks(self.to_gates[2])
                 and logits.dtype in KERNEL_DTYPES and (bias is None or bias.dtype in KERNEL_DTYPES))

@@ -32,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["positioned_windows", "KERNEL_DTYPES"]
+from native_sparse_attention.kernels.library import KERNEL_DTYPES
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+__all__ = ["positioned_windows"]
+
 
 
 @triton.jit

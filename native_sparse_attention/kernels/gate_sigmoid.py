@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gate_sigmoids", "KERNEL_DTYPES"]
+from native_sparse_attention.kernels.library import KERNEL_DTYPES
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+__all__ = ["gate_sigmoids"]
+
 
 
 @triton.jit

@@ -27,11 +27,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["NAMESPACE", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides",
-           "unit_stride_last", "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer",
-           "dot_precision", "matmul_as"]
+__all__ = ["NAMESPACE", "KERNEL_DTYPES", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor",
+           "head_strides", "unit_stride_last", "row_tiles", "position_in_memory", "start_position", "head_offset",
+           "head_pointer", "dot_precision", "matmul_as"]
 
 NAMESPACE = "native_sparse_attention"
+# The floating dtypes the elementwise kernels read and write.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 T = TypeVar("T")
 U = TypeVar("U")
 

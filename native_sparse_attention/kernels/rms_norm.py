@@ -27,10 +27,10 @@ import triton.language as tl
 from torch import nn
 
 from native_sparse_attention.compress import has_hooks
+from native_sparse_attention.kernels.library import KERNEL_DTYPES
 
-__all__ = ["rms_norm", "normed_for_projection", "MAX_COLUMNS", "KERNEL_DTYPES"]
+__all__ = ["rms_norm", "normed_for_projection", "MAX_COLUMNS"]
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Rows are held whole in registers; wider ones take PyTorch's norm.
 MAX_COLUMNS = 16384
 
