@@ -4,7 +4,6 @@ Without CUDA the kernels run under the Triton interpreter (set up in conftest.py
 window they return starts as NaN, so a row they forget to write fails the comparison.
 """
 
-import os
 
 import pytest
 import torch
@@ -12,10 +11,9 @@ import torch
 from native_sparse_attention.kernels import cache_write
 from native_sparse_attention.kernels.cache_write import write_compressed_row, write_ring_and_read_window
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+from kernel_device import DEVICE, skip_without_kernels
+
+skip_without_kernels()
 
 
 @pytest.fixture(autouse=True)

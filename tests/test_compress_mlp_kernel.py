@@ -7,7 +7,6 @@ float16 problems; the ``gpu`` tests run it compiled at the layer benchmark's siz
 poisoned with NaN.
 """
 
-import os
 
 import pytest
 import torch
@@ -17,10 +16,9 @@ from native_sparse_attention import CompressMLP
 from native_sparse_attention.kernels import compress_mlp
 from native_sparse_attention.kernels.compress_mlp import relu_mlp
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from kernel_device import DEVICE, gpu, skip_without_kernels
+
+skip_without_kernels()
 
 
 @pytest.fixture(autouse=True)

@@ -7,18 +7,15 @@ test runs them at the layer benchmark's sizes. Every buffer the kernels write st
 poisoned with NaN.
 """
 
-import os
-
 import pytest
 import torch
 
 from native_sparse_attention.kernels import compress_windows
 from native_sparse_attention.kernels.compress_windows import positioned_windows
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from kernel_device import DEVICE, gpu, skip_without_kernels
+
+skip_without_kernels()
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ n >= 8192 in bf16. Every buffer the kernels write starts poisoned, so an element
 kernel forgets to write shows up as NaN / a bogus index.
 """
 
-import os
 
 import pytest
 import torch
@@ -23,11 +22,9 @@ from native_sparse_attention.selection import (  # noqa: E402
     selection_block_scores,
 )
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = DEVICE.type == "cpu"
-if INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from kernel_device import DEVICE, gpu, skip_without_kernels
+
+skip_without_kernels()
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,6 @@ against the PyTorch references of the three branches.
 
 Without CUDA the kernels run under the Triton interpreter (set up in conftest.py)."""
 
-import os
 
 import pytest
 import torch
@@ -17,9 +16,9 @@ from native_sparse_attention.kernels.gate_combine import gated_branches, gated_s
 from native_sparse_attention.reference import compressed_attend, selected_attend, sliding_window_attend
 from native_sparse_attention.selection import num_compressed_blocks
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+from kernel_device import DEVICE, skip_without_kernels
+
+skip_without_kernels()
 
 
 def eager(gates, compressed, selected, sliding):

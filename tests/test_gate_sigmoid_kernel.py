@@ -6,7 +6,6 @@ Without CUDA the kernels run under the Triton interpreter. Every buffer the kern
 starts poisoned with NaN.
 """
 
-import os
 
 import pytest
 import torch
@@ -15,9 +14,9 @@ from einops import rearrange
 from native_sparse_attention.kernels import gate_sigmoid
 from native_sparse_attention.kernels.gate_sigmoid import gate_sigmoids
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+from kernel_device import DEVICE, skip_without_kernels
+
+skip_without_kernels()
 
 
 @pytest.fixture(autouse=True)

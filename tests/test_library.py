@@ -8,7 +8,6 @@ kernels run under the Triton interpreter on small float32 problems.
 """
 
 import copy
-import os
 
 import pytest
 import torch
@@ -17,9 +16,9 @@ from native_sparse_attention import SparseAttention
 from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection  # noqa: F401 (registration)
 from native_sparse_attention.kernels.library import NAMESPACE, dot_precision, side_by_side
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+from kernel_device import DEVICE, skip_without_kernels
+
+skip_without_kernels()
 
 OPS = getattr(torch.ops, NAMESPACE)
 # The operators' real and fake outputs, compared; no autograd formula is registered on

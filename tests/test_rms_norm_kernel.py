@@ -6,7 +6,6 @@ test runs them at the layer benchmark's sizes. Every buffer the kernels write st
 poisoned with NaN.
 """
 
-import os
 
 import pytest
 import torch
@@ -14,10 +13,9 @@ import torch
 from native_sparse_attention.kernels import rms_norm as rms_norm_kernels
 from native_sparse_attention.kernels.rms_norm import rms_norm
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from kernel_device import DEVICE, gpu, skip_without_kernels
+
+skip_without_kernels()
 
 EPS = 1e-6
 

@@ -6,8 +6,6 @@ float32 and float16 inputs; its output starts as NaN, so an element it forgets t
 fails the comparison. The ``gpu`` test runs the layer's sizes in bf16, fp16 and fp32.
 """
 
-import os
-
 import pytest
 import torch
 from einops import rearrange
@@ -16,11 +14,9 @@ from native_sparse_attention.kernels import rotary as rotary_kernels
 from native_sparse_attention.kernels.rotary import apply_rotary, split_heads_and_rotate
 from native_sparse_attention.rotary import RotaryEmbedding
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+from kernel_device import DEVICE, gpu, skip_without_kernels
+
+skip_without_kernels()
 
 # (atol, rtol) against float64: the output's rounding, plus the float32 sine and cosine.
 TOLERANCES = {
@@ -100,7 +96,7 @@ def test_matches_pytorch_rotary(b, h, n, d, offset, dtype):
 
 
 @pytest.mark.gpu
-@requires_cuda
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("offset", [0, 57_344])
 def test_matches_pytorch_rotary_at_layer_size(dtype, offset):
@@ -154,7 +150,7 @@ def test_split_heads_and_rotate_matches_pytorch(b, n, heads, kv_heads, d, rest, 
 
 
 @pytest.mark.gpu
-@requires_cuda
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_split_heads_and_rotate_at_layer_size(dtype):
     check_split_against_float64(1, 8192, 32, 2, 64, 96, 0, dtype, SPLIT_OUTPUTS)

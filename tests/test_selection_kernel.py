@@ -11,7 +11,6 @@ mode, blocks after the query (which the causal cap must drop).
 """
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import pytest
@@ -22,11 +21,9 @@ from native_sparse_attention.kernels import selection as selection_kernels
 from native_sparse_attention.kernels.selection import LaunchConfig
 from native_sparse_attention.reference import selected_attend, sliding_window_attend
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = DEVICE.type == "cpu"
-if INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from kernel_device import DEVICE, gpu, skip_without_kernels
+
+skip_without_kernels()
 
 
 @pytest.fixture(autouse=True)
