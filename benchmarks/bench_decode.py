@@ -5,7 +5,8 @@ heads of dim 64, sliding window 512, compression 32 / stride 16, selection block
 selected), bf16 autocast, batch 1, no autograd. A prefill of n tokens builds each layer's
 cache; then every step feeds the next token with the cache: eagerly for both layers, and
 for NSA also through a ``StaticSparseAttentionCache`` with the step captured in a CUDA
-graph and replayed. Per token: the wall time of 32 steps run back to back (what
+graph and replayed, once under autocast and once with the layer converted to bf16 (no
+autocast, so no weight is cast inside the step). Per token: the wall time of 32 steps run back to back (what
 generation sees: the host issues one step while the GPU runs the last), and the CUDA
 kernel time and kernel count of one step (torch.profiler).
 
@@ -34,7 +35,8 @@ from native_sparse_attention.static_cache import capture_step  # noqa: E402
 
 CACHED_LENS = (4096, 16384, 65536)
 WARMUP_STEPS, TIMED_STEPS, TIMED_RUNS = 16, 32, 5
-KINDS = ("dense", "nsa", "nsa_graph")
+KINDS = ("dense", "nsa", "nsa_graph", "nsa_graph_bf16")
+KIND_NAMES = ("dense", "NSA", "NSA, CUDA graph", "NSA, bf16 layer, CUDA graph")
 
 
 @dataclass
@@ -65,15 +67,19 @@ def _timed(step: Callable[[], None]) -> DecodeTiming:
 
 def measure(kind: str, n: int) -> DecodeTiming:
     """Per-token decoding time of a freshly seeded layer after a prefill of n tokens:
-    ``kind`` is "dense", "nsa" or "nsa_graph" (NSA replaying a captured step)."""
+    ``kind`` is one of KINDS: "nsa_graph" replays a captured step under autocast,
+    "nsa_graph_bf16" the same step of the layer converted to bf16, without autocast."""
     torch.manual_seed(0)
     layer = build("dense" if kind == "dense" else "nsa").eval()
+    bf16_layer = kind == "nsa_graph_bf16"
+    if bf16_layer:
+        layer = layer.to(torch.bfloat16)
     steps = WARMUP_STEPS + TIMED_RUNS * TIMED_STEPS + 1
-    x = torch.randn(1, n + steps, DIM, device="cuda")
+    x = torch.randn(1, n + steps, DIM, device="cuda", dtype=torch.bfloat16 if bf16_layer else torch.float32)
     tokens = iter(range(n, x.shape[1]))
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=not bf16_layer):
         _, cache = layer(x[:, :n], return_cache=True)
-        if kind == "nsa_graph":
+        if kind in ("nsa_graph", "nsa_graph_bf16"):
             static = layer.static_cache(cache, n + steps)
             step_input = x[:, n:n + 1].clone()
             graph, _ = capture_step(lambda: layer(step_input, cache=static), [static])
@@ -102,7 +108,7 @@ def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
             row += [f"{timings[kind].wall_ms:.2f}", f"{timings[kind].gpu_ms:.3f}", timings[kind].kernels]
         rows.append(row)
     header = ["cached tokens"]
-    for name in ("dense", "NSA", "NSA, CUDA graph"):
+    for name in KIND_NAMES:
         header += [f"{name} ms / token", f"{name} GPU ms", f"{name} kernels"]
     return "\n".join([
         "## Decoding (`benchmarks/bench_decode.py`)",
@@ -116,7 +122,9 @@ def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
         "sliding branches in one launch). Eager steps of both layers are bound by the host issuing their "
         "kernels, not by the GPU, so their wall times vary with the host's CPU by some 30% from one machine to "
         "the next. \"CUDA graph\" replays one captured step through a `StaticSparseAttentionCache`, whose "
-        "buffers have their final size from the start.",
+        "buffers have their final size from the start; under autocast the step casts every float32 weight to bf16 "
+        "inside the graph too, which \"bf16 layer\" (the layer converted with `.to(torch.bfloat16)`, run without "
+        "autocast) does not.",
         "",
         markdown_table(header, rows),
     ])
