@@ -164,12 +164,14 @@ def _key_sets(
     HAS_SEL_SCALE: tl.constexpr,
 ):
     """The query's NUM_SETS key sets in registers, [SETS_PAD] each: the own block first
-    when causal (NUM_SETS = SEL + 1), then one set per slot. Returns the block index (-1
-    for a masked slot or a negative index, clamped just past the end for an index beyond
-    it) and the logit multiplier.
+    when causal (NUM_SETS = SEL + 1), then one set per slot. Returns the block index, the
+    logit multiplier, each set's place among the sets that hold keys (-1 for a masked
+    slot, a negative index or a block past the end) and the number of those sets.
 
     Loading them before the key loop leaves the loop's key / value loads depending on
-    registers only, which lets the compiler prefetch them stages ahead.
+    registers only, which lets the compiler prefetch them stages ahead. The loop walks the
+    sets that hold keys alone: a query with fewer selectable blocks than slots (the first
+    SEL * BLOCK_SIZE positions of a causal sequence) leaves some slots masked.
     """
     sets = tl.arange(0, SETS_PAD)
     slot = sets - (NUM_SETS - SEL)
@@ -183,28 +185,29 @@ def _key_sets(
         multiplier = tl.load(SEL_SCALE + sel_row + slot, mask=is_slot, other=1.0).to(tl.float32)
     else:
         multiplier = tl.full([SETS_PAD], 1.0, tl.float32)
-    return block, multiplier
+    has_keys = (block >= 0) & (block < tl.cdiv(N, BLOCK_SIZE))
+    order = tl.where(has_keys, tl.cumsum(has_keys.to(tl.int32), 0) - 1, -1)
+    return block, multiplier, order, tl.sum(has_keys.to(tl.int32), 0)
 
 
 @triton.jit
-def _pick(values, sets, s):
-    """Element s of a [SETS_PAD] register vector, as a scalar."""
-    return tl.sum(tl.where(sets == s, values, 0), 0)
+def _pick(values, order, s):
+    """The element of a [SETS_PAD] register vector whose ``order`` is s, as a scalar."""
+    return tl.sum(tl.where(order == s, values, 0), 0)
 
 
 @triton.jit
-def _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, sets, t, offs_n, key_end, BLOCK_SIZE: tl.constexpr,
+def _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, order, t, offs_n, key_end, BLOCK_SIZE: tl.constexpr,
               FINE_N: tl.constexpr, D_PAD: tl.constexpr):
-    """The t-th FINE_N-key tile of the key sets: its keys and values (through the TMA
-    descriptors K_TILES, V_TILES of [Z, HKV, N, D]; a masked set's negative positions and
-    those past N read as zeros), their validity and the set's logit multiplier."""
+    """The t-th FINE_N-key tile of the key sets that hold keys, taken in ``order``: its keys
+    and values (through the TMA descriptors K_TILES, V_TILES of [Z, HKV, N, D]; positions
+    past N read as zeros), their validity and the set's logit multiplier."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
     s = t // TILES_PER_BLOCK
-    start = _pick(blocks, sets, s) * BLOCK_SIZE + (t % TILES_PER_BLOCK) * FINE_N
-    pos = start + offs_n
+    start = _pick(blocks, order, s) * BLOCK_SIZE + (t % TILES_PER_BLOCK) * FINE_N
     k = K_TILES.load([z, kv_head, start, 0]).reshape(FINE_N, D_PAD)
     v = V_TILES.load([z, kv_head, start, 0]).reshape(FINE_N, D_PAD)
-    return k, v, (pos >= 0) & (pos < key_end), _pick(multipliers, sets, s)
+    return k, v, start + offs_n < key_end, _pick(multipliers, order, s)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -236,12 +239,11 @@ def _selection_forward(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    blocks, multipliers = _key_sets(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, i, N, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE,
-                                    HAS_SEL_SCALE)
-    sets = tl.arange(0, SETS_PAD)
+    blocks, multipliers, order, num_sets = _key_sets(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, i, N, SEL, NUM_SETS,
+                                                     SETS_PAD, BLOCK_SIZE, HAS_SEL_SCALE)
     key_end = i + 1 if CAUSAL else N
-    for t in range(0, NUM_SETS * TILES_PER_BLOCK):
-        k, v, key_ok, multiplier = _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, sets, t, offs_n,
+    for t in range(0, num_sets * TILES_PER_BLOCK):
+        k, v, key_ok, multiplier = _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, order, t, offs_n,
                                              key_end, BLOCK_SIZE, FINE_N, D_PAD)
         m_i, l_i, acc = softmax_tile(q, k, v, key_ok[None, :], scale2 * multiplier, m_i, l_i, acc, DOT_PRECISION)
     out_rows = dense_rows(z, heads, r, HQ, M, D)
@@ -336,18 +338,18 @@ def _dq_kernel(
     scale2 = sm_scale * LOG2E
 
     dq = tl.zeros([ROWS, D_PAD], tl.float32)
-    blocks, multipliers = _key_sets(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, i, N, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE,
-                                    HAS_SEL_SCALE)
+    blocks, multipliers, order, num_sets = _key_sets(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, i, N, SEL, NUM_SETS,
+                                                     SETS_PAD, BLOCK_SIZE, HAS_SEL_SCALE)
     sets = tl.arange(0, SETS_PAD)
     dsel = tl.zeros([SETS_PAD], tl.float32)
     key_end = i + 1 if CAUSAL else N
-    for t in range(0, NUM_SETS * TILES_PER_BLOCK):
-        k, v, key_ok, multiplier = _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, sets, t, offs_n,
+    for t in range(0, num_sets * TILES_PER_BLOCK):
+        k, v, key_ok, multiplier = _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, order, t, offs_n,
                                              key_end, BLOCK_SIZE, FINE_N, D_PAD)
         if HAS_SEL_SCALE:
             dq, dmult = dq_tile(q, do, lse2, delta, k, v, key_ok[None, :], scale2 * multiplier,
                                 sm_scale * multiplier, dq, DOT_PRECISION)
-            dsel += tl.where(sets == t // TILES_PER_BLOCK, dmult, 0.0)
+            dsel += tl.where(order == t // TILES_PER_BLOCK, dmult, 0.0)
         else:
             # Without multipliers d(logit)/d(q.k) is sm_scale for every tile: dQ takes it
             # once, after the loop, instead of a multiply per score.
