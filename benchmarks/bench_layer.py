@@ -17,14 +17,22 @@ from a reset after the layer, its input and the output gradient are allocated.
 With matplotlib installed, the section's figure (docs/layer_benchmark.png) draws the
 speed-ups and memory ratios against n with the targets, and the profiled kernel times.
 
+A lead of a few percent is within what the dense step's median moves between runs, with
+the GPU's clock and power state (2% at n = 8192 on an H100). ``--paired`` times the two
+layers' replayed and compiled steps alternately in one process, round after round, so
+that such drifts fall on both alike, and writes the rounds' spread ("layer-paired").
+
     python benchmarks/bench_layer.py                 # table + docs/benchmarks.md "layer" + its figure
     python benchmarks/bench_layer.py --profile 8192 65536 --profile-out prof.txt
+    python benchmarks/bench_layer.py --paired 8192 --rounds 20
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +55,7 @@ NSA_OPTIONS = dict(
 )
 SEQ_LENS = (4096, 8192, 16384, 32768, 65536)
 PROFILED_STEPS = 5  # compiled steps per profiled length (--profile)
+PAIRED_MODES = ("CUDA graph", "torch.compile")
 GIB = 2**30
 FIGURE = BENCHMARKS_DOC.parent / "layer_benchmark.png"
 
@@ -165,6 +174,78 @@ def compiled_step(kind: str, n: int, profiled_steps: int = 0) -> tuple[float | N
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def paired_steps(kind: str, n: int) -> dict[str, Callable[[], None]]:
+    """One forward + backward of a fresh ``kind`` layer at length ``n`` per paired mode:
+    its eager step captured in a CUDA graph, and its ``torch.compile`` step (as
+    ``compiled_step``'s). Each mode has a layer, input and gradient of its own."""
+    _, graphed_step = step_fns(*inputs(kind, n))
+    graph, _ = capture(graphed_step)
+    compiled_layer, x, grad_out = inputs(kind, n)
+    _, compiled_forward_backward = step_fns(
+        torch.compile(compiled_layer, fullgraph=True, mode="reduce-overhead", dynamic=False), x, grad_out)
+
+    def compiled() -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled_forward_backward()
+
+    for _ in range(3):  # compile, warm up, record
+        compiled()
+    return {"CUDA graph": graph.replay, "torch.compile": compiled}
+
+
+def paired(n: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """Per paired mode, ``rounds`` pairs (dense ms, NSA ms) of step medians, the two
+    layers timed one after the other in each round (dense first in even rounds, NSA
+    first in odd ones), all in this process."""
+    steps = {kind: paired_steps(kind, n) for kind in ("dense", "nsa")}
+    pairs: dict[str, list[tuple[float, float]]] = {mode: [] for mode in PAIRED_MODES}
+    try:
+        for round_index in range(rounds):
+            order = ("dense", "nsa") if round_index % 2 == 0 else ("nsa", "dense")
+            for mode in PAIRED_MODES:
+                ms = {kind: median_ms(steps[kind][mode]) for kind in order}
+                pairs[mode].append((ms["dense"], ms["nsa"]))
+            print(f"n={n} round {round_index + 1}/{rounds}: " + ", ".join(
+                f"{mode} dense {pairs[mode][-1][0]:.3f} NSA {pairs[mode][-1][1]:.3f} ms" for mode in PAIRED_MODES),
+                flush=True)
+    finally:
+        del steps
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+    return pairs
+
+
+def _spread(values: list[float], digits: int = 3, suffix: str = "") -> str:
+    """``median (min - max)`` of ``values``."""
+    return (f"{statistics.median(values):.{digits}f}{suffix} "
+            f"({min(values):.{digits}f}{suffix} - {max(values):.{digits}f}{suffix})")
+
+
+def paired_report(results: dict[int, dict[str, list[tuple[float, float]]]]) -> str:
+    """The markdown section of ``paired``'s rounds at each length."""
+    rows = []
+    for n, modes in results.items():
+        for mode, pairs in modes.items():
+            dense, nsa = [d for d, _ in pairs], [s for _, s in pairs]
+            speedups = [d / s for d, s in pairs]
+            rows.append([n, mode, len(pairs), sum(s > 1 for s in speedups), _spread(dense), _spread(nsa),
+                         _spread(speedups, 3, "x")])
+    return "\n".join([
+        "### NSA and dense alternating (`benchmarks/bench_layer.py --paired`)",
+        "",
+        environment_line(),
+        "",
+        "The layers and steps of the table above, both layers' CUDA-graph and torch.compile steps "
+        "built in one process and timed one after the other, round after round (each time a median of "
+        "CUDA-event timings, as above), so that the GPU's clock and power state drift alike for both. "
+        "Speed-up: the dense step's time over the NSA step's in the same round.",
+        "",
+        markdown_table(["n", "steps", "rounds", "rounds NSA ahead", "dense ms, median (min - max)",
+                        "NSA ms, median (min - max)", "speed-up, median (min - max)"], rows),
+    ])
 
 
 def profile(columns: dict[tuple[str, int], dict[str, float]], steps: dict[tuple[str, int], float | None],
@@ -385,8 +466,20 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs="+", default=None,
                         help="also profile both layers' compiled steps at these lengths")
     parser.add_argument("--profile-out", type=Path, default=None, help="file for every kernel's time")
+    parser.add_argument("--paired", type=int, nargs="+", default=None, metavar="N",
+                        help="instead of the table: time both layers' replayed and compiled steps alternately "
+                             "at these lengths (section \"layer-paired\")")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds of --paired (default 10)")
     args = parser.parse_args()
     require_cuda(parser)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.paired:
+        section = paired_report({n: paired(n, args.rounds) for n in args.paired})
+        print(section)
+        if not args.no_write:
+            write_section("layer-paired", section)
+        return
 
     results = {}
     for n in args.seq_lens:

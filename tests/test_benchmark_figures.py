@@ -120,3 +120,15 @@ def test_selection_figure_one_panel_per_config_with_each_measured_time():
     assert lines["2 x K/V gather floor"][1] == pytest.approx([0.3, 3.3, 15.92])
     assert panel_a.get_yscale() == "log"
     assert _lines(panel_b)["NSA selection kernel"] == ([32768], [9.6])
+
+
+def test_paired_report_counts_the_rounds_each_layer_led():
+    from benchmarks.bench_layer import paired_report
+
+    section = paired_report({8192: {"torch.compile": [(3.4, 3.2), (3.3, 3.5), (3.6, 3.0)]}})
+    row = next(line for line in section.splitlines() if line.startswith("| 8192"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[:4] == ["8192", "torch.compile", "3", "2"]
+    assert cells[4] == "3.400 (3.300 - 3.600)"
+    assert cells[5] == "3.200 (3.000 - 3.500)"
+    assert cells[6] == "1.062x (0.943x - 1.200x)"
