@@ -56,6 +56,7 @@ NSA_OPTIONS = dict(
 SEQ_LENS = (4096, 8192, 16384, 32768, 65536)
 PROFILED_STEPS = 5  # compiled steps per profiled length (--profile)
 PAIRED_MODES = ("CUDA graph", "torch.compile")
+_COMPILED_WARMUP_MS = 500
 GIB = 2**30
 FIGURE = BENCHMARKS_DOC.parent / "layer_benchmark.png"
 
@@ -136,6 +137,25 @@ def graphed_ms(step) -> float:
     return median_ms(graph.replay)
 
 
+def compiled_layer_step(layer: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward through ``torch.compile(layer, fullgraph=True,
+    mode="reduce-overhead")``.
+
+    ``x`` is marked as a static address, as a model's activations inside its compiled graph
+    are: otherwise the CUDA graph that replays the forward reads a copy of it that each step
+    writes, 0.05 ms of both layers' steps at n = 8192 on an H100 and 0.4 ms at 65536 (a 512 MB
+    float32 input), which the layer in a model does not have."""
+    torch._dynamo.mark_static_address(x)
+    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead", dynamic=False)
+    _, forward_backward = step_fns(compiled, x, grad_out)
+
+    def step() -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+        forward_backward()
+
+    return step
+
+
 def compiled_step(kind: str, n: int, profiled_steps: int = 0) -> tuple[float | None, dict[str, float]]:
     """Median time of forward + backward through ``torch.compile(layer, fullgraph=True,
     mode="reduce-overhead")`` (one graph each way, replayed from CUDA graphs once warm)
@@ -147,16 +167,13 @@ def compiled_step(kind: str, n: int, profiled_steps: int = 0) -> tuple[float | N
     layer = x = grad_out = None
     try:
         layer, x, grad_out = inputs(kind, n)
-        compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead", dynamic=False)
-        _, forward_backward = step_fns(compiled, x, grad_out)
-
-        def step():
-            torch.compiler.cudagraph_mark_step_begin()
-            forward_backward()
-
+        step = compiled_layer_step(layer, x, grad_out)
         for _ in range(3):  # compile, warm up, record
             step()
-        ms = median_ms(step)
+        # A longer warm-up than the eager steps': right after compiling, the GPU, idle
+        # meanwhile, ran a process's first compiled steps up to 2x slower (1.2 -> 2.35 ms at
+        # n = 4096 on an H100) for longer than the default 25 ms.
+        ms = median_ms(step, warmup=_COMPILED_WARMUP_MS)
         kernels: dict[str, float] = {}
         if profiled_steps:
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -178,18 +195,11 @@ def compiled_step(kind: str, n: int, profiled_steps: int = 0) -> tuple[float | N
 
 def paired_steps(kind: str, n: int) -> dict[str, Callable[[], None]]:
     """One forward + backward of a fresh ``kind`` layer at length ``n`` per paired mode:
-    its eager step captured in a CUDA graph, and its ``torch.compile`` step (as
-    ``compiled_step``'s). Each mode has a layer, input and gradient of its own."""
+    its eager step captured in a CUDA graph, and its ``compiled_layer_step``. Each mode has
+    a layer, input and gradient of its own."""
     _, graphed_step = step_fns(*inputs(kind, n))
     graph, _ = capture(graphed_step)
-    compiled_layer, x, grad_out = inputs(kind, n)
-    _, compiled_forward_backward = step_fns(
-        torch.compile(compiled_layer, fullgraph=True, mode="reduce-overhead", dynamic=False), x, grad_out)
-
-    def compiled() -> None:
-        torch.compiler.cudagraph_mark_step_begin()
-        compiled_forward_backward()
-
+    compiled = compiled_layer_step(*inputs(kind, n))
     for _ in range(3):  # compile, warm up, record
         compiled()
     return {"CUDA graph": graph.replay, "torch.compile": compiled}
@@ -202,6 +212,9 @@ def paired(n: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
     steps = {kind: paired_steps(kind, n) for kind in ("dense", "nsa")}
     pairs: dict[str, list[tuple[float, float]]] = {mode: [] for mode in PAIRED_MODES}
     try:
+        for kind_steps in steps.values():  # warm-up, as compiled_step's
+            for step in kind_steps.values():
+                median_ms(step, warmup=_COMPILED_WARMUP_MS)
         for round_index in range(rounds):
             order = ("dense", "nsa") if round_index % 2 == 0 else ("nsa", "dense")
             for mode in PAIRED_MODES:
@@ -391,7 +404,8 @@ def report(results: dict[int, dict[str, Measurement]], profile_summary: str | No
         "grad) and weights included. CUDA graph: the eager step captured once "
         "(`native_sparse_attention.cuda_graph.capture`) and replayed; torch.compile: "
         "`torch.compile(layer, fullgraph=True, mode=\"reduce-overhead\")`, whose graphs hold the "
-        "kernels as custom operators and replay from CUDA graphs. Eager steps of short sequences "
+        "kernels as custom operators and replay from CUDA graphs (the input marked as a static address, "
+        "as a model's activations are inside its graph, so that no replay copies it). Eager steps of short sequences "
         "are bound by the host's Python and launch time, which varies by 20% and more between "
         "machines of the same type; the CUDA graph and torch.compile columns do not depend on it.",
         "",
