@@ -20,7 +20,8 @@ speed-ups and memory ratios against n with the targets, and the profiled kernel 
 A lead of a few percent is within what the dense step's median moves between runs, with
 the GPU's clock and power state (2% at n = 8192 on an H100). ``--paired`` times the two
 layers' replayed and compiled steps alternately in one process, round after round, so
-that such drifts fall on both alike, and writes the rounds' spread ("layer-paired").
+that such drifts fall on both alike, and writes the rounds' spread (section "layer-paired")
+and, with matplotlib, each round's speed-up (docs/layer_paired.png).
 
     python benchmarks/bench_layer.py                 # table + docs/benchmarks.md "layer" + its figure
     python benchmarks/bench_layer.py --profile 8192 65536 --profile-out prof.txt
@@ -44,7 +45,7 @@ from benchmarks.report import (  # noqa: E402
     BENCHMARKS_DOC, benchmark_arguments, environment_line, markdown_table, median_ms, require_cuda, write_figure,
     write_section,
 )
-from benchmarks.figures import layer_figure  # noqa: E402
+from benchmarks.figures import layer_figure, paired_figure  # noqa: E402
 from native_sparse_attention import FullAttention, SparseAttention  # noqa: E402
 from native_sparse_attention.cuda_graph import capture  # noqa: E402
 
@@ -59,6 +60,7 @@ PAIRED_MODES = ("CUDA graph", "torch.compile")
 _COMPILED_WARMUP_MS = 500
 GIB = 2**30
 FIGURE = BENCHMARKS_DOC.parent / "layer_benchmark.png"
+PAIRED_FIGURE = BENCHMARKS_DOC.parent / "layer_paired.png"
 
 # The issue's measurements of the dense layer and of the popular native-sparse-attention-pytorch
 # package's layer on one H100 (torch 2.11, triton 3.6): n -> (fwd ms, fwd+bwd ms, peak GB).
@@ -231,14 +233,21 @@ def paired(n: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
     return pairs
 
 
+def paired_targets(lengths) -> dict[int, float]:
+    """The speed-up over the dense layer that the targets ask for at each of ``lengths``
+    that has one: faster from 8192 on, 4x at 65536."""
+    return {n: 4.0 if n == 65536 else 1.0 for n in lengths if n >= 8192}
+
+
 def _spread(values: list[float], digits: int = 3, suffix: str = "") -> str:
     """``median (min - max)`` of ``values``."""
     return (f"{statistics.median(values):.{digits}f}{suffix} "
             f"({min(values):.{digits}f}{suffix} - {max(values):.{digits}f}{suffix})")
 
 
-def paired_report(results: dict[int, dict[str, list[tuple[float, float]]]]) -> str:
-    """The markdown section of ``paired``'s rounds at each length."""
+def paired_report(results: dict[int, dict[str, list[tuple[float, float]]]], figure: str | None = None) -> str:
+    """The markdown section of ``paired``'s rounds at each length; ``figure``: the file
+    name of its figure, beside the document."""
     rows = []
     for n, modes in results.items():
         for mode, pairs in modes.items():
@@ -258,7 +267,8 @@ def paired_report(results: dict[int, dict[str, list[tuple[float, float]]]]) -> s
         "",
         markdown_table(["n", "steps", "rounds", "rounds NSA ahead", "dense ms, median (min - max)",
                         "NSA ms, median (min - max)", "speed-up, median (min - max)"], rows),
-    ])
+    ] + ([] if figure is None else
+         ["", f"![Each round's speed-up of the NSA layer over the dense one, by launch mode, with the target]({figure})"]))
 
 
 def profile(columns: dict[tuple[str, int], dict[str, float]], steps: dict[tuple[str, int], float | None],
@@ -489,10 +499,11 @@ def main() -> None:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.paired:
-        section = paired_report({n: paired(n, args.rounds) for n in args.paired})
-        print(section)
+        rounds = {n: paired(n, args.rounds) for n in args.paired}
+        print(paired_report(rounds))
         if not args.no_write:
-            write_section("layer-paired", section)
+            figure = write_figure(lambda: paired_figure(rounds, paired_targets(rounds)), PAIRED_FIGURE)
+            write_section("layer-paired", paired_report(rounds, figure and figure.name))
         return
 
     results = {}

@@ -4,6 +4,8 @@ extras install), drawn from the numbers the scripts also write to docs/benchmark
 ``layer_figure``: the layer benchmark's speed-up over the dense layer and peak-memory
 ratio against sequence length, with the targets, and where each layer's kernel time goes
 at the profiled lengths.
+``paired_figure``: the layer benchmark's paired rounds, each round's speed-up per launch
+mode at each paired length, with the target there.
 ``selection_figure``: the selection kernel's forward + backward time against sequence
 length beside dense attention's and the PyTorch reference's, over the gather floor.
 """
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["layer_figure", "selection_figure"]
+__all__ = ["layer_figure", "paired_figure", "selection_figure"]
 
 
 def _matplotlib():
@@ -135,6 +137,28 @@ def layer_figure(speedups: dict[str, dict[int, float | None]], peak_ratios: dict
         handles = [plt.Rectangle((0, 0), 1, 1, color=colors[group]) for group in order]
         figure.legend(handles, [_short_group(group) for group in order], loc="outside lower center",
                       ncols=min(3, len(order)), fontsize=8)
+    return figure
+
+
+def paired_figure(rounds: dict[int, dict[str, list[tuple[float, float]]]], targets: dict[int, float]) -> Figure:
+    """The layer benchmark's paired rounds: ``rounds[n][mode]`` lists (dense ms, NSA ms)
+    per round; one panel per n, each round's speed-up (dense / NSA) per mode, in order,
+    and a line at ``targets[n]`` (the speed-up the target asks for) where there is one."""
+    plt = _matplotlib()
+    lengths = sorted(rounds)
+    figure, panels = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.2), layout="constrained",
+                                  squeeze=False)
+    for axes, n in zip(panels[0], lengths):
+        for index, (mode, pairs) in enumerate(rounds[n].items()):
+            speedups = [dense / nsa for dense, nsa in pairs]
+            axes.plot(range(1, len(speedups) + 1), speedups, marker="o", color=f"C{index + 1}", label=mode)
+        if n in targets:
+            axes.axhline(targets[n], color="crimson", linestyle="--", label=f"target: {targets[n]:g}x")
+        axes.set_title(f"NSA against dense, alternating rounds, n = {_length_label(n)}")
+        axes.set_xlabel("round")
+        axes.set_ylabel("fwd+bwd speed-up over dense (x)")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
     return figure
 
 

@@ -132,3 +132,26 @@ def test_paired_report_counts_the_rounds_each_layer_led():
     assert cells[4] == "3.400 (3.300 - 3.600)"
     assert cells[5] == "3.200 (3.000 - 3.500)"
     assert cells[6] == "1.062x (0.943x - 1.200x)"
+
+
+def test_paired_figure_draws_each_round_and_the_targets(tmp_path):
+    from benchmarks.bench_layer import paired_report, paired_targets
+    from benchmarks.figures import paired_figure
+
+    rounds = {
+        4096: {"torch.compile": [(1.2, 1.7)]},
+        8192: {"CUDA graph": [(3.3, 3.3), (3.4, 3.2)], "torch.compile": [(3.4, 3.2), (3.3, 3.3)]},
+        65536: {"torch.compile": [(148.0, 37.0), (150.0, 36.0), (146.0, 37.0)]},
+    }
+    targets = paired_targets(rounds)
+    assert targets == {8192: 1.0, 65536: 4.0}
+    figure = paired_figure(rounds, targets)
+    short, middle, long = figure.axes
+    assert "target: 1x" not in _lines(short) and len(_lines(short)) == 1
+    assert _lines(middle)["torch.compile"][0] == [1, 2]
+    assert _lines(middle)["torch.compile"][1] == pytest.approx([3.4 / 3.2, 1.0])
+    assert _lines(middle)["target: 1x"][1] == [1.0, 1.0]
+    assert _lines(long)["torch.compile"][1] == pytest.approx([4.0, 150.0 / 36.0, 146.0 / 37.0])
+    assert _lines(long)["target: 4x"][1] == [4.0, 4.0]
+    assert "](layer_paired.png)" in paired_report(rounds, "layer_paired.png")
+    assert "![" not in paired_report(rounds)
