@@ -268,7 +268,8 @@ def paired_report(results: dict[int, dict[str, list[tuple[float, float]]]], figu
         markdown_table(["n", "steps", "rounds", "rounds NSA ahead", "dense ms, median (min - max)",
                         "NSA ms, median (min - max)", "speed-up, median (min - max)"], rows),
     ] + ([] if figure is None else
-         ["", f"![Each round's speed-up of the NSA layer over the dense one, by launch mode, with the target]({figure})"]))
+         ["", "![Each round's speed-up of the NSA layer over the dense one, by launch mode, with the "
+              f"target]({figure})"]))
 
 
 def profile(columns: dict[tuple[str, int], dict[str, float]], steps: dict[tuple[str, int], float | None],
@@ -414,9 +415,10 @@ def report(results: dict[int, dict[str, Measurement]], profile_summary: str | No
         "grad) and weights included. CUDA graph: the eager step captured once "
         "(`native_sparse_attention.cuda_graph.capture`) and replayed; torch.compile: "
         "`torch.compile(layer, fullgraph=True, mode=\"reduce-overhead\")`, whose graphs hold the "
-        "kernels as custom operators and replay from CUDA graphs (the input marked as a static address, "
-        "as a model's activations are inside its graph, so that no replay copies it). Eager steps of short sequences "
-        "are bound by the host's Python and launch time, which varies by 20% and more between "
+        "kernels as custom operators and replay from CUDA graphs (the input marked as a static "
+        "address, as a model's activations are inside its graph, so that no replay copies it). Eager "
+        "steps of short sequences are bound by the host's Python and launch time, which varies by 20% "
+        "and more between "
         "machines of the same type; the CUDA graph and torch.compile columns do not depend on it.",
         "",
         markdown_table(header, rows),
