@@ -502,10 +502,12 @@ def main() -> None:
         parser.error("--rounds must be at least 1")
     if args.paired:
         rounds = {n: paired(n, args.rounds) for n in args.paired}
-        print(paired_report(rounds))
+        figure = None if args.no_write else write_figure(
+            lambda: paired_figure(rounds, paired_targets(rounds)), PAIRED_FIGURE)
+        section = paired_report(rounds, figure and figure.name)
+        print(section)
         if not args.no_write:
-            figure = write_figure(lambda: paired_figure(rounds, paired_targets(rounds)), PAIRED_FIGURE)
-            write_section("layer-paired", paired_report(rounds, figure and figure.name))
+            write_section("layer-paired", section)
         return
 
     results = {}
