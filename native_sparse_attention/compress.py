@@ -80,6 +80,12 @@ def has_hooks(module: nn.Module) -> bool:
                 module._backward_pre_hooks))
 
 
+def plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` as constructed, without hooks: one whose
+    matmul a layer may fold into its own (a subclass, or a hook, expects its forward)."""
+    return type(module) is nn.Linear and not has_hooks(module)
+
+
 class CompressMLP(nn.Module):
     """``Linear(block_size * d -> hidden) -> ReLU -> Linear(hidden -> d)``, shared by all heads."""
 

@@ -10,6 +10,7 @@ from einops import rearrange
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from native_sparse_attention.compress import plain_linear
 from native_sparse_attention.rotary import RotaryEmbedding
 
 __all__ = ["FullAttention", "FullAttentionCache"]
@@ -53,7 +54,7 @@ class FullAttention(nn.Module):
         offset = 0 if cache is None else cache.seq_len
         normed = self._normed(x)
         # Only the rotated queries and keys are attended.
-        _, _, v, q, k, _ = self.rotary.split_heads(self.to_qkv(normed), self.heads, self.kv_heads, offset)
+        _, _, v, q, k, _ = self.rotary.split_heads(self._project(normed), self.heads, self.kv_heads, offset)
         if cache is not None:
             k = torch.cat((cache.keys, k), dim=2)
             v = torch.cat((cache.values, v), dim=2)
@@ -71,6 +72,15 @@ class FullAttention(nn.Module):
         )
         out = self.to_out(rearrange(out, "b h n d -> b n (h d)"))
         return (out, FullAttentionCache(k, v)) if return_cache else out
+
+    def _project(self, normed: torch.Tensor) -> torch.Tensor:
+        """The q / k / v projection, on CUDA as the sparse layer projects (its weight cast
+        once and its gradient written in float32 by ``kernels/projection.projected``)."""
+        if not (plain_linear(self.to_qkv) and self.to_qkv.bias is None):
+            return self.to_qkv(normed)
+        from native_sparse_attention.kernels.projection import projected
+
+        return projected(normed, (self.to_qkv.weight,))
 
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
         """The normed input; on CUDA as the sparse layer norms it on its fast paths, so that

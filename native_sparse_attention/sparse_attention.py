@@ -25,12 +25,11 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from einops.layers.torch import Rearrange
 from torch import nn
 
-from native_sparse_attention.compress import CompressMLP, has_hooks, sliding_windows
+from native_sparse_attention.compress import CompressMLP, has_hooks, plain_linear, sliding_windows
 from native_sparse_attention.reference import (
     compressed_attend,
     selected_attend,
@@ -90,12 +89,6 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _plain_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is an ``nn.Linear`` as constructed, without hooks: one whose
-    matmul the layer may fold into its own (a subclass, or a hook, expects its forward)."""
-    return type(module) is nn.Linear and not has_hooks(module)
 
 
 def _straight_through(scores: torch.Tensor) -> torch.Tensor:
@@ -345,10 +338,13 @@ class SparseAttention(nn.Module):
         small matmuls and a sum of their input gradients. Decoding steps keep separate
         matmuls: folded, every token would concatenate the weights anew.
         """
+        from native_sparse_attention.kernels.projection import projected
+
         gate_projection = self.to_gates[0]
-        fold_gates = fold_gates and _plain_linear(gate_projection)
+        fold_gates = (fold_gates and plain_linear(gate_projection) and plain_linear(self.to_qkv)
+                      and self.to_qkv.bias is None)
         if fold_gates:
-            projection = F.linear(x_normed, torch.cat((self.to_qkv.weight, gate_projection.weight)))
+            projection = projected(x_normed, (self.to_qkv.weight, gate_projection.weight))
         else:
             projection = self.to_qkv(x_normed)
         q, k, v, rq, rk, logits = self.rotary.split_heads(projection, self.heads, self.kv_heads, offset)
@@ -396,7 +392,15 @@ class SparseAttention(nn.Module):
         return compress(k, self.intrablock_pos_k, self.compress_k), compress(v, self.intrablock_pos_v, self.compress_v)
 
     def _with_memory(self, ck: torch.Tensor, cv: torch.Tensor):
-        """Prepend the memory key/values: [b, hk, nc, d] -> [b, hk, num_mem + nc, d]."""
+        """Prepend the memory key/values: [b, hk, nc, d] -> [b, hk, num_mem + nc, d]. Eager
+        steps of the fast paths take them from one Triton node (``kernels/memory_kv.py``)."""
+        from native_sparse_attention.kernels.library import KERNEL_DTYPES
+
+        if (self._use_fast_path(ck) and not torch.compiler.is_compiling()
+                and all(t.dtype in KERNEL_DTYPES for t in (ck, cv, self.mem_kv))):
+            from native_sparse_attention.kernels.memory_kv import with_memory
+
+            return with_memory(self.mem_kv, ck, cv)
         mem_k, mem_v = (m.to(ck.dtype).expand(ck.shape[0], -1, -1, -1) for m in self.mem_kv)
         return torch.cat((mem_k, ck), dim=2), torch.cat((mem_v, cv), dim=2)
 
@@ -497,7 +501,7 @@ class SparseAttention(nn.Module):
         selection_options = (self.selection_block_size, self.causal, self.sliding_window_size, scale)
         # A plain output projection joins the node, whose backward then computes its
         # weight's gradient beside the selected and sliding branches' backward.
-        project = _plain_linear(self.to_out) and self.to_out.bias is None
+        project = plain_linear(self.to_out) and self.to_out.bias is None
         out, selection = gated_branches(
             gates, q, ck_all, cv_all, rq, rk, v, compressed_options, selection_options,
             out_weight=self.to_out.weight if project else None,

@@ -18,7 +18,7 @@ from native_sparse_attention import (
     TransformerCompress,
 )
 from native_sparse_attention.compress import sliding_windows
-from native_sparse_attention.sparse_attention import _plain_linear
+from native_sparse_attention.compress import plain_linear
 
 DIM, DIM_HEAD, HEADS = 32, 8, 4
 
@@ -261,18 +261,19 @@ def test_the_gate_projection_shares_the_qkv_matmul():
 
 
 def test_hooked_projections_run_as_modules():
-    """A plain linear gate or output projection that carries a hook is called as a module:
-    neither the qkv matmul (the gates) nor the Triton path's gated node (the output
+    """A plain linear qkv, gate or output projection that carries a hook is called as a
+    module: neither the qkv matmul (the gates) nor the Triton path's gated node (the output
     projection) folds it in."""
     layer = make_layer(kv_heads=2)
-    assert _plain_linear(layer.to_gates[0]) and _plain_linear(layer.to_out)
+    hooked = (layer.to_qkv, layer.to_gates[0], layer.to_out)
+    assert all(map(plain_linear, hooked))
     calls = []
-    for module in (layer.to_gates[0], layer.to_out):
+    for module in hooked:
         module.register_forward_hook(lambda module, args, out: calls.append(module))
-    assert not _plain_linear(layer.to_gates[0]) and not _plain_linear(layer.to_out)
+    assert not any(map(plain_linear, hooked))
     layer(torch.randn(1, 20, DIM))
-    assert calls == [layer.to_gates[0], layer.to_out]
-    assert not _plain_linear(_LinearSubclass(4, 4))
+    assert calls == list(hooked)
+    assert not plain_linear(_LinearSubclass(4, 4))
 
 # ---------------------------------------------------------------------------- bad input
 

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from native_sparse_attention.kernels.library import dot_precision, launcher_op, matmul_as
+from native_sparse_attention.kernels.library import cast_block, dot_precision, launcher_op, matmul_as
 
 __all__ = ["relu_mlp"]
 
@@ -91,13 +91,6 @@ def _bias_grads_kernel(BIAS_PARTS, DB1, DB2, ROW_TILES, H, O, BLOCK: tl.constexp
 
 
 @triton.jit
-def _cast_block(SRC, DST, block, size, BLOCK: tl.constexpr):
-    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    values = tl.load(SRC + offsets, mask=offsets < size)
-    tl.store(DST + offsets, values.to(DST.dtype.element_ty), mask=offsets < size)
-
-
-@triton.jit
 def _cast_kernel(W1, B1, W2, B2, W1_OUT, B1_OUT, W2_OUT, B2_OUT, W1_SIZE, B1_SIZE, W2_SIZE, B2_SIZE,
                  BLOCK: tl.constexpr):
     # The four weights (contiguous) into copies of another dtype: the first
@@ -107,13 +100,13 @@ def _cast_kernel(W1, B1, W2, B2, W1_OUT, B1_OUT, W2_OUT, B2_OUT, W1_SIZE, B1_SIZ
     b1_blocks = tl.cdiv(B1_SIZE, BLOCK)
     w2_blocks = tl.cdiv(W2_SIZE, BLOCK)
     if block < w1_blocks:
-        _cast_block(W1, W1_OUT, block, W1_SIZE, BLOCK)
+        cast_block(W1, W1_OUT, block, W1_SIZE, BLOCK)
     elif block < w1_blocks + b1_blocks:
-        _cast_block(B1, B1_OUT, block - w1_blocks, B1_SIZE, BLOCK)
+        cast_block(B1, B1_OUT, block - w1_blocks, B1_SIZE, BLOCK)
     elif block < w1_blocks + b1_blocks + w2_blocks:
-        _cast_block(W2, W2_OUT, block - w1_blocks - b1_blocks, W2_SIZE, BLOCK)
+        cast_block(W2, W2_OUT, block - w1_blocks - b1_blocks, W2_SIZE, BLOCK)
     else:
-        _cast_block(B2, B2_OUT, block - w1_blocks - b1_blocks - w2_blocks, B2_SIZE, BLOCK)
+        cast_block(B2, B2_OUT, block - w1_blocks - b1_blocks - w2_blocks, B2_SIZE, BLOCK)
 
 
 def _tiles(device: torch.device) -> tuple[int, int, int]:

@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["NAMESPACE", "KERNEL_DTYPES", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor",
            "head_strides", "unit_stride_last", "row_tiles", "position_in_memory", "start_position", "head_offset",
-           "head_pointer", "dot_precision", "matmul_as"]
+           "head_pointer", "cast_block", "dot_precision", "matmul_as"]
 
 NAMESPACE = "native_sparse_attention"
 # The floating dtypes the elementwise kernels read and write.
@@ -221,6 +221,14 @@ def head_offset(z, h, stride_z, stride_h):
 def head_pointer(ptr, z, h, stride_z, stride_h):
     """``ptr`` advanced to head ``[z, h]`` (``head_offset``)."""
     return ptr + head_offset(z, h, stride_z, stride_h)
+
+
+@triton.jit
+def cast_block(SRC, DST, block, size, BLOCK: tl.constexpr):
+    """Elements ``block * BLOCK ..`` of the flat ``SRC`` (``size`` in all) into ``DST``'s dtype."""
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    values = tl.load(SRC + offsets, mask=offsets < size)
+    tl.store(DST + offsets, values.to(DST.dtype.element_ty), mask=offsets < size)
 
 
 @triton.jit
