@@ -11,11 +11,16 @@ T: keys or values ``[Z, H, N, D]``, any strides with unit stride along D. POS: t
 positions ``[H, SIZE, D]``, contiguous. OUT: ``[Z, H, W, SIZE, D]`` contiguous,
 ``T[z, h, w * STRIDE + t] + POS[h, t]`` computed in float32 and rounded once to OUT's
 dtype. DOUT: OUT's gradient; DT: ``[Z, H, N, D]`` contiguous, the sum over the windows
-holding each token (zero past the last window).
+holding each token (zero past the last window). DPOS: POS's gradient, the sum of DOUT over
+(z, w), ``[H, SIZE, D]`` float32 (cast to POS's dtype after).
 
-Forward: one program per (z, h) and WINDOWS consecutive windows; backward: one program per
-(z, h) and BLOCK_N tokens, each token gathering its OVERLAP windows' rows, so nothing is
-added atomically. POS's gradient is a sum over (z, w) that torch reduces.
+Forward: one program per (z, h) and WINDOWS consecutive windows. Backward: one program per
+(z, h) and BLOCKS blocks of GROUPS whole strides of tokens (BLOCK_S lanes a stride, STRIDE
+rounded up to a power of two, so other strides leave lanes idle), each token gathering its
+OVERLAP windows' rows, so DT is stored without atomics. The same loads make DPOS, with no
+second pass over DOUT: a program sums the rows it reads in float32, one partial per (t, d),
+and adds its partial into DPOS (zeroed first) atomically once at its end. The adds' order
+varies, so DPOS's last bits may differ between runs.
 
 Eager PyTorch ran the same as an add in float32 whose output kept the unfold view's
 permuted layout, a copy to make it contiguous, and the compression MLP's cast to bf16;
@@ -62,25 +67,48 @@ def _windows_fwd_kernel(
 
 @triton.jit
 def _windows_bwd_kernel(
-    DOUT, DT, N, W, SIZE, STRIDE,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr,
+    DOUT, DT, DPOS, H, N, W, SIZE, STRIDE, BLOCKS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GROUPS: tl.constexpr,
+    OVERLAP: tl.constexpr, BLOCK_O: tl.constexpr, TOKEN_GRAD: tl.constexpr, POS_GRAD: tl.constexpr,
 ):
     zh = tl.program_id(0).to(tl.int64)
-    tokens = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.program_id(0) % H
+    lane = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    d_ok = (d < HEAD_DIM)[None, :]
-    total = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # The windows holding token n are the last OVERLAP that start at or before it, less
-    # those it lies past the end of.
-    latest = tokens // STRIDE
-    for back in tl.static_range(OVERLAP):
-        window = latest - back
-        t = tokens - window * STRIDE
-        ok = (window >= 0) & (window < W) & (t < SIZE) & (tokens < N)
-        src = DOUT + ((zh * W + window) * SIZE + t)[:, None] * HEAD_DIM + d[None, :]
-        total += tl.load(src, mask=ok[:, None] & d_ok, other=0.0).to(tl.float32)
-    dst = DT + (zh * N + tokens)[:, None] * HEAD_DIM + d[None, :]
-    tl.store(dst, total.to(DT.dtype.element_ty), mask=(tokens < N)[:, None] & d_ok)
+    d_ok = d < HEAD_DIM
+    # DPOS's partial, row back * STRIDE + j of the windows at [back, j].
+    backs = tl.arange(0, BLOCK_O)[:, None, None]
+    partial = tl.zeros([BLOCK_O, BLOCK_S, BLOCK_D], dtype=tl.float32)
+    for block in range(tl.program_id(1) * BLOCKS, (tl.program_id(1) + 1) * BLOCKS):
+        # Tokens as GROUPS strides of BLOCK_S lanes (STRIDE of them live): lane j of group
+        # g is token (first + g) * STRIDE + j, so its windows are first + g - back and its
+        # row in them j + back * STRIDE, whatever the stride, with no division.
+        latest = block * GROUPS + tl.arange(0, GROUPS)[:, None]
+        tokens = latest * STRIDE + lane[None, :]
+        live = (lane < STRIDE)[None, :] & (tokens < N)
+        total = tl.zeros([GROUPS, BLOCK_S, BLOCK_D], dtype=tl.float32)
+        for back in tl.static_range(OVERLAP):
+            window = latest - back
+            t = lane + back * STRIDE
+            ok = live & (window >= 0) & (window < W) & (t < SIZE)[None, :]
+            src = DOUT + ((zh * W + window) * SIZE + t[None, :])[:, :, None] * HEAD_DIM + d[None, None, :]
+            rows = tl.load(src, mask=ok[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
+            if TOKEN_GRAD:
+                total += rows
+            if POS_GRAD:
+                # Element (w, t) of DOUT is read once in the grid, by token w * STRIDE + t
+                # at back = t // STRIDE (windows < 0 or >= W, rows >= SIZE and idle lanes
+                # load 0): summing over the groups counts each once.
+                partial += tl.where(backs == back, tl.sum(rows, axis=0)[None, :, :], 0.0)
+        if TOKEN_GRAD:
+            dst = DT + (zh * N + tokens)[:, :, None] * HEAD_DIM + d[None, None, :]
+            tl.store(dst, total.to(DT.dtype.element_ty), mask=live[:, :, None] & d_ok[None, None, :])
+    if POS_GRAD:
+        # One add per program and element of DPOS, all programs of a head on the same
+        # SIZE * D addresses: the adds queue there, hence BLOCKS.
+        t = backs * STRIDE + lane[None, :, None]
+        ok = (backs < OVERLAP) & (lane < STRIDE)[None, :, None] & (t < SIZE) & d_ok[None, None, :]
+        tl.atomic_add(DPOS + (h * SIZE + t) * HEAD_DIM + d[None, None, :], partial, mask=ok, sem="relaxed")
 
 
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -88,10 +116,21 @@ def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-# Windows per forward program and tokens per backward program: about 4096 elements each
-# at the layer's windows of 32 x 64.
+def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer the kernels add into: from ``_allocate``, so that a poisoned one shows a
+    missing fill."""
+    return _allocate(shape, dtype, device).zero_()
+
+
+# Windows per forward program and at least this many tokens per backward block (whole
+# strides): about 4096 elements each at the layer's windows of 32 x 64.
 _WINDOWS_PER_PROGRAM = 2
 _TOKENS_PER_PROGRAM = 64
+# Backward programs to aim for when POS needs a gradient, each looping over its blocks:
+# about four an SM of an H100 or H200. Fewer leave too few loads in flight, more queue
+# longer on DPOS's adds: on an H200 at 65536 tokens of the layer's keys (2 heads), 512
+# took 16 us, 256 and 1024 19 to 20 us, and DT alone 12 us.
+_BACKWARD_PROGRAMS = 512
 
 
 def _forward(t: torch.Tensor, pos: torch.Tensor, size: int, stride: int, dtype: torch.dtype) -> torch.Tensor:
@@ -108,16 +147,26 @@ def _forward(t: torch.Tensor, pos: torch.Tensor, size: int, stride: int, dtype: 
     return out
 
 
-def _backward(dout: torch.Tensor, n: int, size: int, stride: int, dtype: torch.dtype) -> torch.Tensor:
+def _backward(dout: torch.Tensor, n: int, size: int, stride: int, t_dtype: torch.dtype | None,
+              pos_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """DT in ``t_dtype`` (None: not computed) and, if ``pos_grad``, POS's gradient in float32."""
     b, h, windows, _, d = dout.shape
-    dt = _allocate((b, h, n, d), dtype, dout.device)
-    grid = (b * h, triton.cdiv(n, _TOKENS_PER_PROGRAM))
+    dt = _allocate((b, h, n, d), t_dtype, dout.device) if t_dtype is not None else None
+    # float32 whatever the dtypes: every program adds its partial sums into it.
+    dpos = _zeros((h, size, d), torch.float32, dout.device) if pos_grad else None
+    block_s = triton.next_power_of_2(stride)
+    groups = max(1, _TOKENS_PER_PROGRAM // block_s)
+    blocks = triton.cdiv(n, groups * stride)
+    per_program = triton.cdiv(blocks, max(1, _BACKWARD_PROGRAMS // (b * h))) if pos_grad else 1
+    overlap = triton.cdiv(size, stride)
+    grid = (b * h, triton.cdiv(blocks, per_program))
+    # An unused buffer's argument is DOUT, never written.
     _windows_bwd_kernel[grid](
-        dout, dt, n, windows, size, stride,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=_TOKENS_PER_PROGRAM,
-        OVERLAP=triton.cdiv(size, stride), num_warps=4,
+        dout, dout if dt is None else dt, dout if dpos is None else dpos, h, n, windows, size, stride, per_program,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=block_s, GROUPS=groups, OVERLAP=overlap,
+        BLOCK_O=triton.next_power_of_2(overlap), TOKEN_GRAD=dt is not None, POS_GRAD=pos_grad, num_warps=8,
     )
-    return dt
+    return dt, dpos
 
 
 class _PositionedWindows(torch.autograd.Function):
@@ -131,10 +180,9 @@ class _PositionedWindows(torch.autograd.Function):
     def backward(ctx, dout):
         n, size, stride = ctx.geometry
         t_dtype, pos_dtype = ctx.dtypes
-        dout = dout.contiguous()
-        dt = _backward(dout, n, size, stride, t_dtype) if ctx.needs_input_grad[0] else None
-        dpos = dout.sum((0, 2), dtype=torch.float32).to(pos_dtype) if ctx.needs_input_grad[1] else None
-        return dt, dpos, None, None, None
+        dt, dpos = _backward(dout.contiguous(), n, size, stride, t_dtype if ctx.needs_input_grad[0] else None,
+                             ctx.needs_input_grad[1])
+        return dt, None if dpos is None else dpos.to(pos_dtype), None, None, None
 
 
 def positioned_windows(t: torch.Tensor, pos: torch.Tensor, size: int, stride: int,
