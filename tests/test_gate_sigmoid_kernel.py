@@ -32,8 +32,8 @@ def eager(logits, bias):
 
 
 # Rows b * n over gate_sigmoid._BLOCK_R (64) give the backward several programs, whose
-# partial sums of the bias's gradient _bias_grad_kernel adds: 3, 7 and 11 of them, with 9, 12
-# and 15 columns, so that its interpreter tiles (2 programs x 4 columns) end part-filled.
+# partial sums of the bias's gradient library.column_sums adds: 3, 7 and 11 of them, with 9, 12
+# and 15 columns, so that its interpreter tiles (2 rows x 4 columns) end part-filled.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b, n, h, bias_dtype", [
     (2, 70, 3, torch.float32), (1, 5, 1, None), (3, 131, 4, torch.float16), (2, 333, 5, torch.float32),

@@ -14,7 +14,7 @@ import torch
 
 from native_sparse_attention import SparseAttention
 from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection  # noqa: F401 (registration)
-from native_sparse_attention.kernels.library import NAMESPACE, dot_precision, side_by_side
+from native_sparse_attention.kernels.library import NAMESPACE, column_sums, dot_precision, side_by_side
 
 from kernel_device import DEVICE, skip_without_kernels
 
@@ -113,6 +113,20 @@ def test_gated_branches_backward_operator(project):
     assert len(grads) == len(expected) == 10
     for got, want in zip(grads, expected):  # the selection's dK / dV sums in any order on a GPU
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, columns, dtype", [(7, 9, torch.float32), (5, 13, torch.float16), (1, 3, torch.float32),
+                                                  (528, 2048, torch.float32), (1024, 96, torch.bfloat16)])
+def test_column_sums_match_torch(rows, columns, dtype):
+    """Per-program partial sums added in float32 and written in the gradient's dtype."""
+    if rows * columns > 10_000 and not torch.cuda.is_available():
+        pytest.skip("the layer's sizes run on the GPU")
+    parts = torch.randn(rows, columns, device=DEVICE)
+    out = column_sums(parts, torch.full((columns,), float("nan"), dtype=dtype, device=DEVICE))
+    want = parts.double().sum(0)
+    assert out.dtype == dtype
+    tolerance = 1e-5 * rows**0.5 if dtype == torch.float32 else 1e-2 * rows**0.5
+    torch.testing.assert_close(out.double(), want, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=tolerance)
 
 
 @pytest.mark.gpu

@@ -11,15 +11,15 @@ dtype, ``sigmoid(round(LOGITS + round(BIAS)))`` with the sum and the sigmoid rou
 that dtype as the eager ops round them. DG: G's gradient (any dtype, contiguous);
 DLOGITS: ``[R, C]`` contiguous, ``DG * G * (1 - G)``; each backward program leaves the
 column sums of its BLOCK_R rows in ``DBIAS_PARTS`` ``[cdiv(R, BLOCK_R), C]`` float32, which
-``_bias_grad_kernel`` adds over the programs in a fixed order (no atomics: the same bits
-every run) into DBIAS ``[C]``, the bias's gradient in the bias's dtype.
+``library.column_sums`` adds over the programs in a fixed order into the bias's gradient,
+in the bias's dtype.
 
 Eager PyTorch took five kernels over strided views (the bias's add, the sigmoid, its
 backward, a copy of the gradient back into the logits' layout and the bias's sum): 0.15 ms
 at the layer benchmark's n = 65536 on an H100. Compiled steps keep them, fused by Inductor.
 The bias's sum was torch's ``sum(0)`` and a cast after the backward kernel; on an H200
 (CUDA graphs, [128, 96] -> [96] and [1024, 96] -> [96] partials) they took 3.8 and 9.5 us,
-``_bias_grad_kernel`` 1.6 and 2.2 us.
+``column_sums`` 1.6 and 2.2 us.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from native_sparse_attention.kernels.library import KERNEL_DTYPES
+from native_sparse_attention.kernels.library import KERNEL_DTYPES, column_sums
 
 __all__ = ["gate_sigmoids"]
 
@@ -78,40 +78,12 @@ def _gate_sigmoid_bwd_kernel(
         tl.store(DBIAS_PARTS + tl.program_id(0) * C + cols, tl.sum(dlogits.to(tl.float32), 0), mask=cols < C)
 
 
-@triton.jit
-def _bias_grad_kernel(
-    DBIAS_PARTS, DBIAS, PROGRAMS,
-    C: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_COLS: tl.constexpr,
-):
-    # DBIAS_PARTS: [PROGRAMS, C] float32 -> DBIAS [C]. Each program takes BLOCK_COLS columns
-    # down all the rows, BLOCK_P rows an iteration: one pass, in a fixed order, so that the
-    # gradient has the same bits every run (atomics would not), and many loads in flight
-    # per iteration, since the loop's iterations wait on each other's loads.
-    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    total = tl.zeros([BLOCK_P, BLOCK_COLS], tl.float32)
-    for start in range(0, PROGRAMS, BLOCK_P):
-        parts = start + tl.arange(0, BLOCK_P)
-        total += tl.load(DBIAS_PARTS + parts[:, None] * C + cols[None, :],
-                         mask=(parts < PROGRAMS)[:, None] & (cols < C)[None, :], other=0.0)
-    tl.store(DBIAS + cols, tl.sum(total, 0).to(DBIAS.dtype.element_ty), mask=cols < C)
-
-
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every buffer the kernels write comes from here (tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 _BLOCK_R = 64
-
-
-def _bias_sum_tiles(device: torch.device) -> tuple[int, int]:
-    """(BLOCK_P, BLOCK_COLS) of ``_bias_grad_kernel``."""
-    if device.type != "cuda":
-        return 2, 4  # interpreter: small tiles, so that test sizes span several of each
-    # Narrow column tiles spread the serial pass over more SMs: on an H200 4 columns x 256
-    # rows beat 16 x 64 and 32 x 64 (2.2 us against 3.6 and 7.0 at 1024 x 96 partials) and
-    # matched torch's sum and cast up to 16384 x 96.
-    return 256, 4
 
 
 class _GateSigmoids(torch.autograd.Function):
@@ -145,12 +117,7 @@ class _GateSigmoids(torch.autograd.Function):
         )
         if not has_bias:
             return dlogits, None
-        dbias = _allocate((columns,), ctx.bias_dtype, gates.device)
-        block_p, block_c = _bias_sum_tiles(gates.device)
-        _bias_grad_kernel[(triton.cdiv(columns, block_c),)](
-            parts, dbias, programs, C=columns, BLOCK_P=block_p, BLOCK_COLS=block_c,
-        )
-        return dlogits, dbias
+        return dlogits, column_sums(parts, _allocate((columns,), ctx.bias_dtype, gates.device))
 
 
 def gate_sigmoids(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["NAMESPACE", "KERNEL_DTYPES", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor",
            "head_strides", "unit_stride_last", "row_tiles", "position_in_memory", "start_position", "head_offset",
-           "head_pointer", "cast_block", "dot_precision", "matmul_as"]
+           "head_pointer", "cast_block", "column_sums", "dot_precision", "matmul_as"]
 
 NAMESPACE = "native_sparse_attention"
 # The floating dtypes the elementwise kernels read and write.
@@ -229,6 +229,37 @@ def cast_block(SRC, DST, block, size, BLOCK: tl.constexpr):
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     values = tl.load(SRC + offsets, mask=offsets < size)
     tl.store(DST + offsets, values.to(DST.dtype.element_ty), mask=offsets < size)
+
+
+@triton.jit
+def _column_sums_kernel(PARTS, OUT, ROWS, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # PARTS: [ROWS, C] float32 contiguous -> OUT [C], each program BLOCK_C columns down all
+    # the rows, BLOCK_R of them an iteration, in a fixed order: the same bits every run,
+    # which atomic adds would not give.
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    total = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for start in range(0, ROWS, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        total += tl.load(PARTS + rows.to(tl.int64)[:, None] * C + cols[None, :],
+                         mask=(rows < ROWS)[:, None] & (cols < C)[None, :], other=0.0)
+    tl.store(OUT + cols, tl.sum(total, 0).to(OUT.dtype.element_ty), mask=cols < C)
+
+
+def column_sums(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``parts.sum(0)`` written into ``out: [C]`` in its dtype, from ``parts: [P, C]``
+    float32 contiguous: the per-program partial sums of a weight's or bias's gradient.
+    One launch where torch takes a reduction and a cast. Each program walks a few columns
+    down all P rows: narrow column tiles spread the pass over more SMs (on an H200, 4
+    columns of [1024, 96] partials took 2.2 us, 16 and 32 columns 3.6 and 7.0 us)."""
+    rows, columns = parts.shape
+    if parts.device.type != "cuda":
+        block_r, block_c = 2, 4  # interpreter: small tiles, so that test sizes span several
+    else:
+        block_c = max(4, min(64, triton.next_power_of_2(triton.cdiv(columns, 128))))
+        block_r = 1024 // block_c
+    _column_sums_kernel[(triton.cdiv(columns, block_c),)](parts, out, rows, columns, BLOCK_R=block_r,
+                                                          BLOCK_C=block_c)
+    return out
 
 
 @triton.jit

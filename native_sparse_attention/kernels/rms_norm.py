@@ -9,7 +9,8 @@ X: ``[R, C]`` contiguous; W: the weight ``[C]``; Y: ``[R, C]`` in the output dty
 kept ``[R]`` float32 for the backward. DY: Y's gradient; DX: ``[R, C]`` in X's dtype,
 ``RSTD * (W * DY - XHAT * mean(XHAT * W * DY))`` with ``XHAT = X * RSTD``; DW: the sum of
 ``DY * XHAT`` over the rows: each backward program walks every P-th row, keeps its own
-partial sum ``[P, C]`` float32, and torch adds the P partials.
+partial sum ``[P, C]`` float32, and ``library.column_sums`` adds the P partials into W's
+dtype (torch's sum and cast took 18 us at the layer benchmark's n = 8192 on an H100).
 
 The layer norms its float32 input and its projections read the result in bf16 under
 autocast. Eager PyTorch wrote the float32 norm, cast it, and in the backward cast the
@@ -27,7 +28,7 @@ import triton.language as tl
 from torch import nn
 
 from native_sparse_attention.compress import has_hooks
-from native_sparse_attention.kernels.library import KERNEL_DTYPES
+from native_sparse_attention.kernels.library import KERNEL_DTYPES, column_sums
 
 __all__ = ["rms_norm", "normed_for_projection", "MAX_COLUMNS"]
 
@@ -111,7 +112,7 @@ class _RMSNorm(torch.autograd.Function):
         block_c = triton.next_power_of_2(columns)
         _rms_norm_bwd_kernel[(programs,)](x, weight, dy, rstd, dx, parts, rows, COLUMNS=columns, BLOCK_C=block_c,
                                           num_warps=_num_warps(block_c))
-        return dx, parts.sum(0).to(weight.dtype), None, None
+        return dx, column_sums(parts, _allocate((columns,), weight.dtype, x.device)), None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
