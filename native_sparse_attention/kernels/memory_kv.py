@@ -15,7 +15,7 @@ over Z in float32 and written in MEM's dtype.
 
 Forward and backward: one launch each for keys and values together, one program per
 (z, h, BLOCK_R rows); in the backward the programs of z = 0 also add up the memory rows of
-every batch. Eager PyTorch took nine kernels for the same (two casts and two
+every batch. Eager PyTorch took eleven kernels for the same (two casts and two
 concatenations forward; two sums over the expanded batch, two casts to the parameter's
 dtype, two copies making the compressed rows' gradients contiguous for the compression
 network's view, and the stack of the unbound parameter), about 25 us per step at the
