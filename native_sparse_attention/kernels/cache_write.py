@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import head_pointer
 
 __all__ = ["write_compressed_row", "write_ring_and_read_window"]
@@ -99,7 +100,7 @@ def write_ring_and_read_window(position: torch.Tensor, new: torch.Tensor, ring: 
     b, h, window, d = ring.shape
     assert new.shape == (b, h, 1, d) and new.stride(-1) == 1 and ring.stride(-1) == 1
     out = _empty((b, h, 1, window, d), ring.dtype, ring.device)
-    _ring_window_kernel[(b * h,)](
+    launch(_ring_window_kernel, (b * h,),
         position, new, ring, out, new.stride(0), new.stride(1), *ring.stride()[:3], h,
         WINDOW=window, BLOCK_W=triton.next_power_of_2(window), D=d, BLOCK_D=triton.next_power_of_2(d),
         num_warps=1,
@@ -114,7 +115,7 @@ def write_compressed_row(position: torch.Tensor, new: torch.Tensor, buffer: torc
     window is complete, the last (spare) row otherwise."""
     b, h, rows, d = buffer.shape
     assert new.shape == (b, h, 1, d) and new.stride(-1) == 1 and buffer.stride(-1) == 1
-    _compressed_row_kernel[(b * h,)](
+    launch(_compressed_row_kernel, (b * h,),
         position, new, buffer, new.stride(0), new.stride(1), *buffer.stride()[:3],
         h, num_mem, window, stride, rows - 1, D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1,
     )

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import KERNEL_DTYPES
 
 __all__ = ["positioned_windows"]
@@ -139,7 +140,7 @@ def _forward(t: torch.Tensor, pos: torch.Tensor, size: int, stride: int, dtype: 
     out = _allocate((b, h, windows, size, d), dtype, t.device)
     block_t = triton.next_power_of_2(size)
     grid = (b * h, triton.cdiv(windows, _WINDOWS_PER_PROGRAM))
-    _windows_fwd_kernel[grid](
+    launch(_windows_fwd_kernel, grid,
         t, pos, out, t.stride(0), t.stride(1), t.stride(2), h, windows, size, stride,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_T=block_t, WINDOWS=_WINDOWS_PER_PROGRAM,
         num_warps=4,
@@ -161,7 +162,7 @@ def _backward(dout: torch.Tensor, n: int, size: int, stride: int, t_dtype: torch
     overlap = triton.cdiv(size, stride)
     grid = (b * h, triton.cdiv(blocks, per_program))
     # An unused buffer's argument is DOUT, never written.
-    _windows_bwd_kernel[grid](
+    launch(_windows_bwd_kernel, grid,
         dout, dout if dt is None else dt, dout if dpos is None else dpos, h, n, windows, size, stride, per_program,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=block_s, GROUPS=groups, OVERLAP=overlap,
         BLOCK_O=triton.next_power_of_2(overlap), TOKEN_GRAD=dt is not None, POS_GRAD=pos_grad, num_warps=8,

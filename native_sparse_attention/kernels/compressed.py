@@ -82,6 +82,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import bitonic_merge
 
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
     dot_precision,
     head_pointer,
@@ -956,7 +957,7 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
         partial_out, partial_lse = out, lse  # never read: any valid pointers do
     block_d = _block_d(d)
     start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
-    _attention_fwd_kernel[(*grid, splits)](
+    launch(_attention_fwd_kernel, (*grid, splits),
         row_tiles(q, tiles.block_m, block_d), row_tiles(ck, tiles.block_n, block_d),
         row_tiles(cv, tiles.block_n, block_d), out, lse, partial_out, partial_lse,
         *head_strides(out), hq, n, start, start_ptr, num_keys, geo.num_mem,
@@ -967,7 +968,7 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
     )
     if splits > 1:
         merge_rows = triton.next_power_of_2(n)
-        _merge_partial_outputs_kernel[(b * hq, triton.cdiv(n, merge_rows))](
+        launch(_merge_partial_outputs_kernel, (b * hq, triton.cdiv(n, merge_rows)),
             partial_out, partial_lse, out, lse, *head_strides(out), hq, n, splits,
             HEAD_DIM=d, BLOCK_M=merge_rows, BLOCK_D=block_d, num_warps=4,
         )
@@ -1034,7 +1035,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
 
     # dQ first: it computes delta, which dK / dV read.
     dq = new_heads_tensor(q, is_tokens_major(q), lambda shape: _allocate(shape, q.dtype, q.device))
-    _attention_bwd_dq_kernel[(b * hq, triton.cdiv(n, dq_tiles.block_m))](
+    launch(_attention_bwd_dq_kernel, (b * hq, triton.cdiv(n, dq_tiles.block_m)),
         *_query_and_key_tiles(q, dout, ck, cv, dq_tiles, block_d), row_tiles(out, dq_tiles.block_m, block_d),
         ck, lse, delta, *selection, dq, *head_strides(ck), *head_strides(dq), *geometry,
         KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
@@ -1046,7 +1047,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
     dk_part = _allocate((splits, b, hq, num_keys, d), torch.float32, q.device)
     dv_part = _allocate((splits, b, hq, num_keys, d), torch.float32, q.device)
     if num_keys > 0:
-        _attention_bwd_dkdv_kernel[(b * hq, key_tiles, splits)](
+        launch(_attention_bwd_dkdv_kernel, (b * hq, key_tiles, splits),
             *_query_and_key_tiles(q, dout, ck, cv, dkdv_tiles, block_d), lse, delta, *selection,
             dk_part, dv_part, *geometry,
             BLOCK_J=_blocks_per_key_tile(dkdv_tiles.block_n, geo), **meta,
@@ -1059,7 +1060,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
         # n = 8192 and 0.026 ms at 65536 on an H100, where torch's strided sum and a cast
         # took 0.025 and 0.037 ms.
         size = num_keys * d
-        _sum_partials_kernel[(b * hk, triton.cdiv(size, _SUM_BLOCK), 2)](
+        launch(_sum_partials_kernel, (b * hk, triton.cdiv(size, _SUM_BLOCK), 2),
             dk_part, dv_part, dck, dcv, size, PARTS=splits, GROUP=hq // hk, BLOCK=_SUM_BLOCK, num_warps=4,
         )
     return dq, dck, dcv, delta
@@ -1117,7 +1118,7 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
     # Never read without splits: any valid pointer does.
     partial_tops = indices if splits == 1 else _allocate((splits, b * hs, n, topn_pad), torch.int64, q.device)
     start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
-    _select_blocks_kernel[(*tops, splits)](
+    launch(_select_blocks_kernel, (*tops, splits),
         q, ck, lse, indices, mask, scores, partial_tops,
         *head_strides(q), *head_strides(ck),
         hs, n, start, start_ptr, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
@@ -1133,7 +1134,7 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
     if splits > 1:
         # Rows of their own, not the scoring tile's: a decoding step's merge is one row.
         merge_rows = min(triton.next_power_of_2(n), _MERGE_ROWS)
-        _merge_partial_tops_kernel[(b * hs, triton.cdiv(n, merge_rows))](
+        launch(_merge_partial_tops_kernel, (b * hs, triton.cdiv(n, merge_rows)),
             partial_tops, indices, mask, scores, n, splits,
             TOPN=geo.num_selected, TOPN_PAD=topn_pad, BLOCK_M=merge_rows,
             MAX_SPLITS=_MAX_FEW_ROWS_SPLITS if position is not None else triton.next_power_of_2(splits), num_warps=4,

@@ -39,6 +39,7 @@ from einops import rearrange
 
 from native_sparse_attention.kernels import compressed as compressed_kernels
 from native_sparse_attention.kernels import selection as selection_kernels
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
     head_strides, launcher_op, matmul_as, side_by_side, unit_stride_last,
 )
@@ -212,7 +213,7 @@ def _forward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor,
     out_dtype = torch.promote_types(gates.dtype, branch0.dtype)
     out = torch.empty(b, n, h * d, dtype=out_dtype, device=branch0.device)
     grid = (b * h, triton.cdiv(n, _BLOCK_N))
-    _gated_sum_fwd_kernel[grid](
+    launch(_gated_sum_fwd_kernel, grid,
         gates, branch0, branch1, branch2, out,
         *gates.stride(),
         *head_strides(branch0), *head_strides(branch1), *head_strides(branch2),
@@ -236,7 +237,7 @@ def _backward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor,
     grads = [torch.empty(b, h, n, d, dtype=t.dtype, device=t.device) for t in branches]
     dgates = torch.empty(3, b, h, n, dtype=torch.float32, device=dout.device)
     grid = (b * h, triton.cdiv(n, _BLOCK_N))
-    _gated_sum_bwd_kernel[grid](
+    launch(_gated_sum_bwd_kernel, grid,
         gates, *branches, dout, *grads, dgates,
         *gates.stride(),
         *(stride for t in branches for stride in head_strides(t)),
@@ -288,7 +289,7 @@ def _folded_lses(gates: torch.Tensor, *lses: torch.Tensor) -> torch.Tensor:
         return torch.where(gates > 0, torch.stack(lses) - gates.float().log(), float("inf")).contiguous()
     _, b, h, n = gates.shape
     folded = _allocate((3, b, h, n), torch.float32, gates.device)
-    _folded_lses_kernel[(b * h, triton.cdiv(n, _LSE_BLOCK_N))](
+    launch(_folded_lses_kernel, (b * h, triton.cdiv(n, _LSE_BLOCK_N)),
         gates, *lses, folded, *gates.stride(), *(stride for lse in lses for stride in lse.stride()), h, n,
         BLOCK_N=_LSE_BLOCK_N,
     )

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import KERNEL_DTYPES, column_sums
 
 __all__ = ["gate_sigmoids"]
@@ -93,7 +94,7 @@ class _GateSigmoids(torch.autograd.Function):
         rows = logits.flatten(0, 1)
         gates = _allocate((3, b, columns // 3, n), logits.dtype, logits.device)
         grid = (triton.cdiv(b * n, _BLOCK_R),)
-        _gate_sigmoid_fwd_kernel[grid](
+        launch(_gate_sigmoid_fwd_kernel, grid,
             rows, bias if bias is not None else rows, gates, rows.stride(0), b * n, n, columns // 3,
             C=columns, HAS_BIAS=bias is not None, BLOCK_R=_BLOCK_R, BLOCK_C=triton.next_power_of_2(columns),
         )
@@ -111,7 +112,7 @@ class _GateSigmoids(torch.autograd.Function):
         programs = triton.cdiv(b * n, _BLOCK_R)
         has_bias = ctx.bias_dtype is not None
         parts = _allocate((programs, columns) if has_bias else (0,), torch.float32, gates.device)
-        _gate_sigmoid_bwd_kernel[(programs,)](
+        launch(_gate_sigmoid_bwd_kernel, (programs,),
             gates, dgates, dlogits, parts, b * n, n, heads,
             C=columns, HAS_BIAS=has_bias, BLOCK_R=_BLOCK_R, BLOCK_C=triton.next_power_of_2(columns),
         )

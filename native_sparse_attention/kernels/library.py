@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from native_sparse_attention.kernels.launch import launch
+
 __all__ = ["NAMESPACE", "KERNEL_DTYPES", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor",
            "head_strides", "unit_stride_last", "row_tiles", "position_in_memory", "start_position", "head_offset",
            "head_pointer", "cast_block", "column_sums", "dot_precision", "matmul_as"]
@@ -257,8 +259,8 @@ def column_sums(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     else:
         block_c = max(4, min(64, triton.next_power_of_2(triton.cdiv(columns, 128))))
         block_r = 1024 // block_c
-    _column_sums_kernel[(triton.cdiv(columns, block_c),)](parts, out, rows, columns, BLOCK_R=block_r,
-                                                          BLOCK_C=block_c)
+    launch(_column_sums_kernel, (triton.cdiv(columns, block_c),), parts, out, rows, columns, BLOCK_R=block_r,
+           BLOCK_C=block_c)
     return out
 
 

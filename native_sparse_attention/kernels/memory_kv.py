@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import KERNEL_DTYPES
 
 __all__ = ["with_memory"]
@@ -133,7 +134,7 @@ class _WithMemory(torch.autograd.Function):
         out_k = _allocate((z, h, rows, d), ck.dtype, ck.device)
         out_v = _allocate((z, h, rows, d), ck.dtype, ck.device)
         if out_k.numel():
-            _with_memory_fwd_kernel[_grid(z, h, rows)](
+            launch(_with_memory_fwd_kernel, _grid(z, h, rows),
                 mem, ck, cv, out_k, out_v, *_strides(ck), *_strides(cv), h, rows, num_mem, **_tile(d),
             )
         ctx.num_mem, ctx.mem_dtype = num_mem, mem.dtype
@@ -148,7 +149,7 @@ class _WithMemory(torch.autograd.Function):
         dmem = _allocate((2, h, ctx.num_mem, d), ctx.mem_dtype, dout_k.device)
         if not dout_k.numel():
             return dmem.zero_(), dck, dcv
-        _with_memory_bwd_kernel[_grid(z, h, rows)](
+        launch(_with_memory_bwd_kernel, _grid(z, h, rows),
             dout_k, dout_v, dck, dcv, dmem, *_strides(dout_k), *_strides(dout_v), z, h, rows, ctx.num_mem, **_tile(d),
         )
         return dmem, dck, dcv

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import KERNEL_DTYPES, cast_block, matmul_as
 
 __all__ = ["project", "projected"]
@@ -58,8 +59,8 @@ def _concatenated(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.
     out = _allocate((first.shape[0] + second.shape[0], first.shape[1]), dtype, first.device)
     blocks = triton.cdiv(first.numel(), _CAST_BLOCK) + triton.cdiv(second.numel(), _CAST_BLOCK)
     if blocks:
-        _cast_concat_kernel[(blocks,)](first, second, out, first.numel(), second.numel(), BLOCK=_CAST_BLOCK,
-                                       num_warps=4)
+        launch(_cast_concat_kernel, (blocks,), first, second, out, first.numel(), second.numel(),
+               BLOCK=_CAST_BLOCK, num_warps=4)
     return out
 
 

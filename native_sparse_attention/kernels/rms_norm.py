@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import nn
 
 from native_sparse_attention.compress import has_hooks
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import KERNEL_DTYPES, column_sums
 
 __all__ = ["rms_norm", "normed_for_projection", "MAX_COLUMNS"]
@@ -94,8 +95,8 @@ class _RMSNorm(torch.autograd.Function):
         rstd = _allocate((rows,), torch.float32, x.device)
         block_c = triton.next_power_of_2(columns)
         if rows:
-            _rms_norm_fwd_kernel[(rows,)](x, weight, y, rstd, rows, eps, COLUMNS=columns, BLOCK_C=block_c,
-                                          num_warps=_num_warps(block_c))
+            launch(_rms_norm_fwd_kernel, (rows,), x, weight, y, rstd, rows, eps, COLUMNS=columns, BLOCK_C=block_c,
+                   num_warps=_num_warps(block_c))
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -110,8 +111,8 @@ class _RMSNorm(torch.autograd.Function):
             return dx, torch.zeros_like(weight), None, None
         parts = _allocate((programs, columns), torch.float32, x.device)
         block_c = triton.next_power_of_2(columns)
-        _rms_norm_bwd_kernel[(programs,)](x, weight, dy, rstd, dx, parts, rows, COLUMNS=columns, BLOCK_C=block_c,
-                                          num_warps=_num_warps(block_c))
+        launch(_rms_norm_bwd_kernel, (programs,), x, weight, dy, rstd, dx, parts, rows, COLUMNS=columns,
+               BLOCK_C=block_c, num_warps=_num_warps(block_c))
         return dx, column_sums(parts, _allocate((columns,), weight.dtype, x.device)), None, None
 
 

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
     head_strides,
     is_tokens_major,
@@ -249,7 +250,7 @@ def _launch_rotary(t: torch.Tensor, inv_freq: torch.Tensor, offset: int | torch.
         return out
     grid = (triton.cdiv(n, _BLOCK_N), b * triton.cdiv(h, _HEADS_PER_PROGRAM))
     start, start_ptr, in_memory = position_in_memory(offset, inv_freq)
-    _rotary_kernel[grid](
+    launch(_rotary_kernel, grid,
         t, out, inv_freq, *t.stride(), *out.stride()[:3], h, n, start, start_ptr,
         HALF=d // 2, BLOCK_N=_BLOCK_N, BLOCK_HALF=triton.next_power_of_2(d // 2),
         HEADS=_HEADS_PER_PROGRAM, INVERSE=inverse, OFFSET_IN_MEMORY=in_memory,
@@ -329,7 +330,7 @@ def _qkv_grad(dq: torch.Tensor | None, drq: torch.Tensor | None, dk: torch.Tenso
     groups = (triton.cdiv(heads, _HEADS_PER_PROGRAM) + 2 * triton.cdiv(kv_heads, _HEADS_PER_PROGRAM)
               + int(rest > 0))
     grid = (triton.cdiv(seq_len, _BLOCK_N), batch * groups)
-    _qkv_grad_kernel[grid](
+    launch(_qkv_grad_kernel, grid,
         dq, drq, dk, drk, dv, drest, out, inv_freq,
         *head_strides(dq), *head_strides(drq), *head_strides(dk), *head_strides(drk),
         *head_strides(dv), *((0, 0) if drest is None else drest.stride()[:2]),

@@ -133,6 +133,7 @@ from native_sparse_attention.kernels.attention_tiles import (
     store_attention,
     strided_rows,
 )
+from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
     dot_precision, launcher_op, position_in_memory, row_tiles, side_by_side, start_position,
 )
@@ -935,14 +936,14 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
 
     key_tiles = _key_tiles(k, v, d)
 
-    def launch(window_tiles: int, positions: int, num_warps: int, num_stages: int) -> None:
+    def launch_programs(window_tiles: int, positions: int, num_warps: int, num_stages: int) -> None:
         if window_tiles:
             window = problem.window_constexprs(for_dq=False)
             window_key_tiles = key_tiles(window["WINDOW_N"])
         else:
             window = dict(WINDOW=0, HEADS_PAD=1, WINDOW_ROWS=1, WINDOW_N=1)
             window_key_tiles = key_tiles(problem.fine_n)  # never read: any valid descriptors do
-        _fwd_kernel[(window_tiles + positions, problem.selection_heads, b)](
+        launch(_fwd_kernel, (window_tiles + positions, problem.selection_heads, b),
             q, *key_tiles(problem.fine_n), *window_key_tiles, sel_idx, sel_mask, sel_scale, out, lse,
             swa_out if sliding else out, swa_lse if sliding else lse,
             gates, compressed_out, merged if gated else lse,
@@ -960,10 +961,10 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
 
     window_tiles = problem.num_window_tiles(for_dq=False) if sliding else 0
     if window_tiles and config.window_fwd_warps is not None:
-        launch(0, n, config.fwd_warps, config.fwd_stages)
-        launch(window_tiles, 0, config.window_fwd_warps, config.window_fwd_stages)
+        launch_programs(0, n, config.fwd_warps, config.fwd_stages)
+        launch_programs(window_tiles, 0, config.window_fwd_warps, config.window_fwd_stages)
     else:
-        launch(window_tiles, n, config.fwd_warps, config.fwd_stages)
+        launch_programs(window_tiles, n, config.fwd_warps, config.fwd_stages)
     return out, lse, swa_out, swa_lse, merged
 
 
@@ -1024,7 +1025,7 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     key_dtype = next(dtype for dtype in (torch.int16, torch.int32, torch.int64) if num_keys < torch.iinfo(dtype).max)
     keys = torch.empty((b, hs, n, constexprs["NUM_SETS"]), dtype=key_dtype, device=device)
     entries = torch.empty(keys.shape, dtype=torch.int64, device=device)
-    _entry_keys_kernel[(triton.cdiv(n, ENTRY_KEYS_QUERIES), hs, b)](
+    launch(_entry_keys_kernel, (triton.cdiv(n, ENTRY_KEYS_QUERIES), hs, b),
         indices, fmask, keys, entries,
         n, problem.kv_heads, hs, problem.num_blocks, num_keys,
         **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "SETS_PAD", "BLOCK_SIZE")},
@@ -1035,14 +1036,14 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     first_entry = torch.searchsorted(sorted_keys, torch.arange(num_keys + 1, dtype=key_dtype, device=device))
     chunk = problem.config.dkv_chunk
     first_chunk = torch.empty(num_keys + 1, dtype=torch.int64, device=device)
-    _first_chunks_kernel[(1,)](first_entry, first_chunk, num_keys, CHUNK=chunk, BLOCK=FIRST_CHUNK_KEYS)
+    launch(_first_chunks_kernel, (1,), first_entry, first_chunk, num_keys, CHUNK=chunk, BLOCK=FIRST_CHUNK_KEYS)
     entries = entries.flatten()[order]
     max_chunks = triton.cdiv(keys.numel(), chunk) + num_keys
     chunk_key = torch.empty(max_chunks, dtype=torch.int32, device=device)
     ordered = _orders_chunks(problem, element_size, device)
     position_dtype = torch.int32 if b * problem.kv_heads * n < torch.iinfo(torch.int32).max else torch.int64
     position = torch.empty(max_chunks if ordered else 0, dtype=position_dtype, device=device)
-    _chunk_keys_kernel[(triton.cdiv(max_chunks, CHUNK_KEYS_BLOCK),)](
+    launch(_chunk_keys_kernel, (triton.cdiv(max_chunks, CHUNK_KEYS_BLOCK),),
         entries, first_entry, first_chunk, chunk_key, position if ordered else chunk_key, max_chunks, num_keys,
         num_keys.bit_length(), n, problem.num_blocks,
         CHUNK=chunk,
@@ -1104,7 +1105,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
         dq_window = lse  # never read without the window: any valid pointer does
         if sliding:
             dq_window = _empty((b, hq, n, d), q.dtype, q.device)
-            window_dq_kernel[(problem.num_window_tiles(for_dq=True), hs, b)](
+            launch(window_dq_kernel, (problem.num_window_tiles(for_dq=True), hs, b),
                 q, *key_tiles(problem.window_tile(for_dq=True)[1]), swa_out, d_swa_out, swa_lse,
                 swa_delta, dq_window, *_strides(q), *_strides(d_swa_out),
                 n, hq, problem.scale,
@@ -1115,7 +1116,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
                 num_warps=config.window_dq_warps,
                 num_stages=config.window_dq_stages,
             )
-        _dq_kernel[problem.grid](
+        launch(_dq_kernel, problem.grid,
             q, *key_tiles(problem.dq_fine_n), out, d_out, lse, sel_idx, sel_mask, sel_scale_arg, dq,
             dsel if dsel is not None and dsel.numel() else lse, delta, row_stats, dq_window, dk_acc, dv_acc,
             *_strides(q), *_strides(d_out),
@@ -1138,7 +1139,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
     if constexprs["NUM_SETS"]:
         ordered = table.chunk_order is not None
         rows_per_entry = triton.next_power_of_2(hq // hs)
-        _dkv_kernel[(table.chunk_key.numel(), problem.block_size // problem.fine_n)](
+        launch(_dkv_kernel, (table.chunk_key.numel(), problem.block_size // problem.fine_n),
             q, k, v, d_out, row_stats, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
             table.chunk_key, table.chunk_order if ordered else table.chunk_key, dk_acc, dv_acc,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
@@ -1162,7 +1163,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
         dk = _empty((b, hk, n, d), k.dtype, k.device)
         dv = _empty((b, hk, n, d), v.dtype, v.device)
         grid = (triton.cdiv(n, config.window_block_n), hk, b)
-        window_dkv_kernel[grid](
+        launch(window_dkv_kernel, grid,
             q, k, v, d_swa_out, swa_lse, swa_delta, dk_acc, dv_acc, dk, dv,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),
             n, hq, hk, problem.scale,

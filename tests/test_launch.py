@@ -1,0 +1,167 @@
+"""kernels/launch.py: prepared launches go to the compiled variant that Triton would pick."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from native_sparse_attention.kernels import launch as launch_module
+from native_sparse_attention.kernels.launch import launch
+
+
+class FakeKernel:
+    """Stands in for a JITFunction: records Triton's own launches and the prepared ones."""
+
+    def __init__(self, params):
+        self.params = [SimpleNamespace(name=name, default=default, do_not_specialize=loose)
+                       for name, default, loose in params]
+        self.slow, self.fast = [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            self.slow.append((grid, args, options))
+            return FakeCompiled(self)
+        return run
+
+
+class FakeCompiled:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args: self.kernel.fast.append((grid, args))
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    monkeypatch.setattr(launch_module, "JITFunction", FakeKernel)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_module, "_VARIANTS", {})
+    empty = launch_module.Parameter.empty
+    return FakeKernel([("X", empty, False), ("N", empty, False), ("M", empty, True),
+                       ("BLOCK", empty, False), ("FLAG", True, False)])
+
+
+def test_a_seen_fingerprint_goes_to_the_compiled_variant_with_every_argument_in_order(fake_kernel):
+    x = torch.zeros(64)
+    launch(fake_kernel, (3,), x, 16, 5, BLOCK=32, num_warps=4)
+    assert len(fake_kernel.slow) == 1 and not fake_kernel.fast
+    y = torch.ones(64)  # another tensor of the same dtype and alignment
+    launch(fake_kernel, (3,), y, 16, 5, BLOCK=32, num_warps=4)
+    assert len(fake_kernel.slow) == 1
+    (grid, args), = fake_kernel.fast
+    assert grid == (3, 1, 1)
+    assert args[0] is y and args[1:] == (16, 5, 32, True)  # BLOCK from the options, FLAG's default
+
+
+def test_what_triton_specializes_on_takes_its_own_path(fake_kernel):
+    x = torch.zeros(64)
+    launch(fake_kernel, (1,), x, 16, 5, BLOCK=32)
+    changed = [
+        ((x[1:], 16, 5), dict(BLOCK=32)),  # 4-byte offset: no longer 16-byte aligned
+        ((x.double(), 16, 5), dict(BLOCK=32)),  # dtype
+        ((x, 17, 5), dict(BLOCK=32)),  # a specialized integer's value
+        ((x, 16.0, 5), dict(BLOCK=32)),  # equal, but a float
+        ((x, 16, 2**40), dict(BLOCK=32)),  # a loose integer's width
+        ((x, 16, 5), dict(BLOCK=64)),  # a constexpr
+        ((x, 16, 5), dict(BLOCK=32, num_warps=8)),  # a launch option
+    ]
+    for args, options in changed:
+        launch(fake_kernel, (1,), *args, **options)
+    assert len(fake_kernel.slow) == 1 + len(changed) and not fake_kernel.fast
+
+
+def test_loose_integers_share_their_variant_and_the_variants_stay_bounded(fake_kernel, monkeypatch):
+    x = torch.zeros(64)
+    for m in range(5, 50):
+        launch(fake_kernel, (1,), x, 16, m, BLOCK=32)
+    assert len(fake_kernel.slow) == 1 and len(fake_kernel.fast) == 44
+    assert [args[2] for _, args in fake_kernel.fast] == list(range(6, 50))
+    monkeypatch.setattr(launch_module, "_MAX_VARIANTS", 4)
+    for n in range(32):
+        launch(fake_kernel, (1,), x, n, 5, BLOCK=32)
+    assert len(launch_module._VARIANTS[fake_kernel].compiled) <= 4
+
+
+def test_interpreted_kernels_take_tritons_path():
+    calls = []
+
+    class Interpreted:
+        def __getitem__(self, grid):
+            return lambda *args, **options: calls.append((grid, args, options))
+
+    launch(Interpreted(), (2, 3), 1, 2, BLOCK=4)
+    launch(Interpreted(), (2, 3), 1, 2, BLOCK=4)
+    assert calls == [((2, 3), (1, 2), {"BLOCK": 4})] * 2
+
+
+@triton.jit
+def _scaled_copy_kernel(SRC, DST, N, scale, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(DST + offsets, tl.load(SRC + offsets, mask=offsets < N) * scale, mask=offsets < N)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prepared_launches_on_the_gpu_match_tritons():
+    """Fresh tensors, an unaligned view and two dtypes through launch(): every result as
+    Triton's own launch gives it, one compiled variant per specialization."""
+    torch.manual_seed(0)
+    variants = set()
+    for dtype in (torch.float32, torch.float16):
+        for offset in (0, 0, 3, 0):
+            base = torch.randn(1000 + offset, device="cuda", dtype=dtype)
+            src = base[offset:]
+            dst = torch.full_like(src, float("nan"))
+            launch(_scaled_copy_kernel, (triton.cdiv(1000, 128),), src, dst, 1000, 0.5, BLOCK=128)
+            torch.testing.assert_close(dst, src * 0.5, rtol=0, atol=0)
+            variants.add((dtype, offset == 0))
+    assert len(launch_module._VARIANTS[_scaled_copy_kernel].compiled) == len(variants)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches")
+def test_every_launch_of_a_layer_step_binds_as_triton_does_and_repeats_its_fingerprint(monkeypatch):
+    """For each kernel launch of two fast-path layer steps: the argument list that a
+    prepared launch hands the compiled kernel is the one Triton's binding gives, and the
+    second step's launch has the first one's fingerprint, so that it would be prepared."""
+    import inspect
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from native_sparse_attention import SparseAttention
+
+    records = []
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **options):
+        records.append((self, args, options))
+        return run(self, *args, grid=grid, warmup=warmup, **options)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    monkeypatch.setattr(SparseAttention, "_use_fast_path", lambda self, x: self.use_triton_kernel)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    torch.manual_seed(0)
+    layer = SparseAttention(dim=32, dim_head=16, heads=4, kv_heads=2, sliding_window_size=8, compress_block_size=8,
+                            compress_block_sliding_stride=4, selection_block_size=16, num_selected_blocks=2,
+                            use_triton_kernel=True)
+    steps = []
+    for _ in range(2):
+        records.clear()
+        x = torch.randn(1, 40, 32, requires_grad=True)
+        layer(x).square().sum().backward()
+        steps.append(list(records))
+    first, second = steps
+    assert len(first) == len(second) > 10
+    for (kernel, args, options), (kernel_again, args_again, options_again) in zip(first, second):
+        assert kernel_again is kernel
+        variants = launch_module._Variants.of(JITFunction(kernel.fn, **kernel.kwargs))
+        signature = inspect.signature(kernel.fn)
+        bound = signature.bind(*args, **{name: value for name, value in options.items()
+                                         if name in signature.parameters})
+        bound.apply_defaults()
+        assert variants.arguments(args, options) == list(bound.arguments.values()), kernel.fn.__name__
+        assert variants.fingerprint(args_again, options_again) == variants.fingerprint(args, options), \
+            kernel.fn.__name__
