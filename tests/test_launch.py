@@ -6,6 +6,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from native_sparse_attention.kernels import launch as launch_module
 from native_sparse_attention.kernels.launch import launch
@@ -157,6 +158,7 @@ def test_every_launch_of_a_layer_step_binds_as_triton_does_and_repeats_its_finge
     assert len(first) == len(second) > 10
     for (kernel, args, options), (kernel_again, args_again, options_again) in zip(first, second):
         assert kernel_again is kernel
+        assert not any(isinstance(value, (torch.Tensor, TensorDescriptor)) for value in options.values())
         variants = launch_module._Variants.of(JITFunction(kernel.fn, **kernel.kwargs))
         signature = inspect.signature(kernel.fn)
         bound = signature.bind(*args, **{name: value for name, value in options.items()

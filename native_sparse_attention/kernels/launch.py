@@ -93,7 +93,9 @@ def _fingerprint(value, loose: bool):
 def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     """``kernel[grid](*args, **options)``, through the compiled variant that an earlier
     launch of the same fingerprint compiled or found (see the module docstring).
-    ``grid``: a tuple of one to three ints."""
+    ``grid``: a tuple of one to three ints. Tensors and descriptors go as positional
+    arguments: keyword arguments enter the fingerprint as they are, which suits the
+    constexprs and launch options they are for."""
     if not isinstance(kernel, JITFunction):
         kernel[grid](*args, **options)
         return
