@@ -4,10 +4,10 @@
 A Triton launch first binds its arguments to the kernel's parameters, derives from them
 the specialization (each tensor's dtype and 16-byte alignment, each integer's width and
 divisibility by 16, ...), builds the cache key of the compiled variant and looks it up;
-only then does the compiled kernel's launcher run. For the layer's launches of 20 to 50
-arguments, that dispatch took about 30 us of a 45-160 us launch on an H100's host, about
-1 ms of an eager layer step at n = 8192 (docs/benchmarks.md). Eager steps of short
-sequences are bound by exactly this host time.
+only then does the compiled kernel's launcher run. Skipping that dispatch took the
+layer's launches (20 to 50 arguments each) from 71 to 61 us of host time on average on an
+H100's host, 0.4 ms of an eager layer step at n = 8192, whose short sequences are bound by
+the host (docs/benchmarks.md).
 
 Here each kernel remembers its compiled variants by a fingerprint of the arguments that
 holds everything the specialization can depend on, and more: each tensor's dtype and
