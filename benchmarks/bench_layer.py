@@ -20,7 +20,9 @@ speed-ups and memory ratios against n with the targets, and the profiled kernel 
 A lead of a few percent is within what the dense step's median moves between runs, with
 the GPU's clock and power state (2% at n = 8192 on an H100). ``--paired`` times the two
 layers' replayed and compiled steps alternately in one process, round after round, so
-that such drifts fall on both alike, and writes the rounds' spread (section "layer-paired")
+that such drifts fall on both alike (and a third step, the layer made a graphed callable
+by ``torch.cuda.make_graphed_callables`` inside an eager step, what an eager training
+loop can do), and writes the rounds' spread (section "layer-paired")
 and, with matplotlib, each round's speed-up (docs/layer_paired.png).
 
     python benchmarks/bench_layer.py                 # table + docs/benchmarks.md "layer" + its figure
@@ -56,7 +58,7 @@ NSA_OPTIONS = dict(
 )
 SEQ_LENS = (4096, 8192, 16384, 32768, 65536)
 PROFILED_STEPS = 5  # compiled steps per profiled length (--profile)
-PAIRED_MODES = ("CUDA graph", "torch.compile")
+PAIRED_MODES = ("CUDA graph", "torch.compile", "graphed layer")
 _COMPILED_WARMUP_MS = 500
 GIB = 2**30
 FIGURE = BENCHMARKS_DOC.parent / "layer_benchmark.png"
@@ -123,7 +125,7 @@ def measure(kind: str, n: int) -> Measurement:
         result.peak_gib = torch.cuda.max_memory_allocated() / GIB
         result.fwd_ms = median_ms(forward)
         result.step_ms = median_ms(forward_backward)
-        result.graph_step_ms = graphed_ms(forward_backward)
+        result.graph_step_ms = median_ms(replayed_step(layer, x, grad_out))
     except torch.OutOfMemoryError:
         result.error = "OOM"
     finally:
@@ -131,12 +133,6 @@ def measure(kind: str, n: int) -> Measurement:
         gc.collect()
         torch.cuda.empty_cache()
     return result
-
-
-def graphed_ms(step) -> float:
-    """Median time of ``step`` captured once into a CUDA graph and replayed."""
-    graph, _ = capture(step)
-    return median_ms(graph.replay)
 
 
 def compiled_layer_step(layer: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], None]:
@@ -197,14 +193,49 @@ def compiled_step(kind: str, n: int, profiled_steps: int = 0) -> tuple[float | N
 
 def paired_steps(kind: str, n: int) -> dict[str, Callable[[], None]]:
     """One forward + backward of a fresh ``kind`` layer at length ``n`` per paired mode:
-    its eager step captured in a CUDA graph, and its ``compiled_layer_step``. Each mode has
-    a layer, input and gradient of its own."""
-    _, graphed_step = step_fns(*inputs(kind, n))
-    graph, _ = capture(graphed_step)
+    its ``replayed_step``, its ``compiled_layer_step`` and its ``graphed_layer_step``.
+    Each mode has a layer, input and gradient of its own."""
     compiled = compiled_layer_step(*inputs(kind, n))
     for _ in range(3):  # compile, warm up, record
         compiled()
-    return {"CUDA graph": graph.replay, "torch.compile": compiled}
+    return {"CUDA graph": replayed_step(*inputs(kind, n)), "torch.compile": compiled,
+            "graphed layer": graphed_layer_step(*inputs(kind, n))}
+
+
+@dataclass(frozen=True)
+class ReplayedStep:
+    """A forward + backward captured in a CUDA graph; calling it replays the graph.
+    ``reads`` holds what the graph reads at fixed addresses without holding it (the
+    layer, its input and the output gradient), so that their memory is not handed to a
+    later allocation while the graph can replay."""
+
+    graph: torch.cuda.CUDAGraph
+    reads: tuple
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+def replayed_step(layer: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> ReplayedStep:
+    """The eager forward + backward of ``layer`` captured once in a CUDA graph."""
+    graph, _ = capture(step_fns(layer, x, grad_out)[1])
+    return ReplayedStep(graph, (layer, x, grad_out))
+
+
+def graphed_layer_step(layer: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Callable[[], None]:
+    """An eager forward + backward of ``layer`` made a graphed callable by
+    ``torch.cuda.make_graphed_callables``: the layer's forward and backward replay from
+    CUDA graphs, the step around them runs eagerly. Captured under bf16 autocast, which
+    must not cache its casts of the weights for that."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        graphed = torch.cuda.make_graphed_callables(layer, (x,))
+
+    def step() -> None:
+        x.grad = None
+        graphed.zero_grad(set_to_none=True)
+        graphed(x).backward(grad_out)
+
+    return step
 
 
 def paired(n: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
@@ -261,6 +292,8 @@ def paired_report(results: dict[int, dict[str, list[tuple[float, float]]]], figu
         environment_line(),
         "",
         "The layers and steps of the table above, both layers' CUDA-graph and torch.compile steps "
+        "and their graphed-layer steps (the layer through `torch.cuda.make_graphed_callables`, called "
+        "from an eager step: what an eager training loop gets by graphing its attention layers) "
         "built in one process and timed one after the other, round after round (each time a median of "
         "CUDA-event timings, as above), so that the GPU's clock and power state drift alike for both. "
         "Speed-up: the dense step's time over the NSA step's in the same round.",

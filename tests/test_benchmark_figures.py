@@ -1,4 +1,4 @@
-"""The benchmark scripts' figures and their data, from made-up measurements (no GPU)."""
+"""The benchmark scripts' figures, reports and step bookkeeping, from made-up measurements (no GPU)."""
 
 from __future__ import annotations
 
@@ -155,3 +155,28 @@ def test_paired_figure_draws_each_round_and_the_targets(tmp_path):
     assert _lines(long)["target: 4x"][1] == [4.0, 4.0]
     assert "](layer_paired.png)" in paired_report(rounds, "layer_paired.png")
     assert "![" not in paired_report(rounds)
+
+
+def test_replayed_step_holds_what_its_graph_reads(monkeypatch):
+    """A CUDA graph reads the layer's weights, input and output gradient at the addresses
+    they had at capture without holding them: freed, their memory would go to the next
+    allocation and the replays would time garbage. The replayed step holds them."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks import bench_layer
+
+    monkeypatch.setattr(bench_layer, "capture", lambda step: (SimpleNamespace(replay=lambda: None), None))
+    layer, x, grad_out = torch.nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True), torch.randn(2, 4)
+    refs = [weakref.ref(obj) for obj in (layer, x, grad_out)]
+    step = bench_layer.replayed_step(layer, x, grad_out)
+    del layer, x, grad_out
+    gc.collect()
+    assert all(ref() is not None for ref in refs)
+    step()
+    del step
+    gc.collect()
+    assert all(ref() is None for ref in refs)

@@ -121,6 +121,23 @@ def test_compiled_fast_path_matches_eager(fast_path, mode):
     _assert_close(compiled_run, _run(layer, x, grad_out, autocast=True), 2e-2, 5e-2, 1e-1)
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_layer_graphed_by_pytorch_matches_eager():
+    """An eager training loop can replay the layer's forward and backward from CUDA graphs
+    through torch.cuda.make_graphed_callables (autocast then must not cache its casts of
+    the weights while capturing): the Triton path captures, side streams included, and
+    replays on new inputs give the eager layer's output and gradients."""
+    torch.manual_seed(0)
+    layer = SparseAttention(**CONFIG, use_triton_kernel=True).cuda()
+    sample = torch.randn(2, 2048, CONFIG["dim"], device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        graphed = torch.cuda.make_graphed_callables(copy.deepcopy(layer), (sample,))
+    for _ in range(2):
+        x, grad_out = torch.randn_like(sample), torch.randn_like(sample)
+        _assert_close(_run(graphed, x, grad_out), _run(layer, x, grad_out, autocast=True), 2e-2, 5e-2, 1e-1)
+
+
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
 @pytest.mark.parametrize("share, use_diff_topk, causal", [(True, True, True), (False, False, False)])
 def test_triton_path_matches_pytorch_path_interpreted(monkeypatch, share, use_diff_topk, causal):
