@@ -21,6 +21,8 @@ def capture(fn: Callable[[], T], warmup_steps: int = 3) -> tuple[torch.cuda.CUDA
     """Runs ``fn`` ``warmup_steps`` times, then captures one more call into a CUDA graph.
 
     Returns the graph and what the captured call returned (tensors the replays rewrite).
+    The graph reads and writes the tensors ``fn`` uses at their addresses without holding
+    them: the caller keeps them alive as long as the graph may replay.
     """
     # Capture needs the allocator and cuBLAS workspaces warmed up off the default stream.
     side = torch.cuda.Stream()
