@@ -121,7 +121,7 @@ class CompressMLP(nn.Module):
         layer replaced or hooked expects its own."""
         first, activation, second = self.net
         return (type(first) is nn.Linear and type(activation) is nn.ReLU and type(second) is nn.Linear
-                and not any(map(has_hooks, self.net.modules())))
+                and not any(map(has_hooks, (self.net, first, activation, second))))
 
 
 class GroupedCompressMLP(nn.Module):

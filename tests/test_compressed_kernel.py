@@ -306,10 +306,7 @@ def test_few_query_forwards_split_among_programs(monkeypatch, case, splits):
     (1, 2, 1, 1),
 ])
 def test_few_rows_splits_fill_the_gpu(monkeypatch, rows, programs, parts, splits):
-    class Properties:
-        multi_processor_count = 132
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(compressed, "multiprocessors", lambda device: 132)
     monkeypatch.setattr(compressed, "_FEW_ROWS_PROGRAMS_PER_SM", 1)
     assert compressed._few_rows_splits(rows, programs, parts, torch.device("cuda")) == splits
 
@@ -340,10 +337,7 @@ def test_selection_chunks_of_32_blocks(monkeypatch):
     (0, 1, 1),       # no compressed key: nothing to launch, one (empty) share
 ])
 def test_dkdv_query_splits_fill_the_gpu(monkeypatch, programs, row_tiles, splits):
-    class Properties:
-        multi_processor_count = 132
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(compressed, "multiprocessors", lambda device: 132)
     assert compressed._dkdv_query_splits(programs, row_tiles, torch.device("cuda")) == splits
 
 

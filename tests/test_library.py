@@ -11,10 +11,13 @@ import copy
 
 import pytest
 import torch
+import triton
 
 from native_sparse_attention import SparseAttention
 from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection  # noqa: F401 (registration)
-from native_sparse_attention.kernels.library import NAMESPACE, column_sums, dot_precision, side_by_side
+from native_sparse_attention.kernels.library import (
+    NAMESPACE, cdiv, column_sums, dot_precision, next_power_of_2, side_by_side,
+)
 
 from kernel_device import DEVICE, skip_without_kernels
 
@@ -113,6 +116,15 @@ def test_gated_branches_backward_operator(project):
     assert len(grads) == len(expected) == 10
     for got, want in zip(grads, expected):  # the selection's dK / dV sums in any order on a GPU
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_launch_arithmetic_equals_tritons():
+    """The launchers' host-side cdiv and next_power_of_2 stand in for Triton's."""
+    for a in range(0, 300):
+        assert next_power_of_2(a) == triton.next_power_of_2(a)
+        for b in (1, 2, 3, 16, 64, 127):
+            assert cdiv(a, b) == triton.cdiv(a, b)
+    assert next_power_of_2(2**40 + 1) == triton.next_power_of_2(2**40 + 1) == 2**41
 
 
 @pytest.mark.parametrize("rows, columns, dtype", [(7, 9, torch.float32), (5, 13, torch.float16), (1, 3, torch.float32),

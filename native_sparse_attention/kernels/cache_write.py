@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from native_sparse_attention.kernels.launch import launch
-from native_sparse_attention.kernels.library import head_pointer
+from native_sparse_attention.kernels.library import head_pointer, next_power_of_2
 
 __all__ = ["write_compressed_row", "write_ring_and_read_window"]
 
@@ -102,7 +102,7 @@ def write_ring_and_read_window(position: torch.Tensor, new: torch.Tensor, ring: 
     out = _empty((b, h, 1, window, d), ring.dtype, ring.device)
     launch(_ring_window_kernel, (b * h,),
         position, new, ring, out, new.stride(0), new.stride(1), *ring.stride()[:3], h,
-        WINDOW=window, BLOCK_W=triton.next_power_of_2(window), D=d, BLOCK_D=triton.next_power_of_2(d),
+        WINDOW=window, BLOCK_W=next_power_of_2(window), D=d, BLOCK_D=next_power_of_2(d),
         num_warps=1,
     )
     return out
@@ -117,5 +117,5 @@ def write_compressed_row(position: torch.Tensor, new: torch.Tensor, buffer: torc
     assert new.shape == (b, h, 1, d) and new.stride(-1) == 1 and buffer.stride(-1) == 1
     launch(_compressed_row_kernel, (b * h,),
         position, new, buffer, new.stride(0), new.stride(1), *buffer.stride()[:3],
-        h, num_mem, window, stride, rows - 1, D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1,
+        h, num_mem, window, stride, rows - 1, D=d, BLOCK_D=next_power_of_2(d), num_warps=1,
     )

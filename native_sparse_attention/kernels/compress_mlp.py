@@ -41,7 +41,9 @@ import triton
 import triton.language as tl
 
 from native_sparse_attention.kernels.launch import launch
-from native_sparse_attention.kernels.library import cast_block, dot_precision, launcher_op, matmul_as
+from native_sparse_attention.kernels.library import (
+    cast_block, cdiv, dot_precision, launcher_op, matmul_as, next_power_of_2,
+)
 
 __all__ = ["relu_mlp"]
 
@@ -140,7 +142,7 @@ def _cast(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
     bf16 on an H100.)"""
     weights = (w1, b1, w2, b2)
     copies = tuple(_allocate(w.shape, dtype, w.device) for w in weights)
-    blocks = sum(triton.cdiv(w.numel(), _CAST_BLOCK) for w in weights)
+    blocks = sum(cdiv(w.numel(), _CAST_BLOCK) for w in weights)
     launch(_cast_kernel, (blocks,), *weights, *copies, *(w.numel() for w in weights), BLOCK=_CAST_BLOCK, num_warps=4)
     return copies
 
@@ -174,16 +176,16 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, hidden: torch.Tensor, w1: torch
     dy = dy.contiguous()
     block_r, block_h, warps = _tiles(dy.device)
     dh = _allocate(hidden.shape, hidden.dtype, dy.device)
-    bias_parts = _allocate((triton.cdiv(rows, block_r), hidden_size + outputs), torch.float32, dy.device)
+    bias_parts = _allocate((cdiv(rows, block_r), hidden_size + outputs), torch.float32, dy.device)
     if rows > 0:
-        launch(_hidden_grad_kernel, (triton.cdiv(rows, block_r), triton.cdiv(hidden_size, block_h)),
+        launch(_hidden_grad_kernel, (cdiv(rows, block_r), cdiv(hidden_size, block_h)),
             dy, w2.contiguous(), hidden, dh, bias_parts, rows, hidden_size,
-            O=outputs, BLOCK_O=max(16, triton.next_power_of_2(outputs)), BLOCK_R=block_r, BLOCK_H=block_h,
+            O=outputs, BLOCK_O=max(16, next_power_of_2(outputs)), BLOCK_R=block_r, BLOCK_H=block_h,
             DOT_PRECISION=dot_precision(dy.dtype), num_warps=warps,
         )
     db1 = _allocate((hidden_size,), weight_dtype, dy.device)
     db2 = _allocate((outputs,), weight_dtype, dy.device)
-    launch(_bias_grads_kernel, (triton.cdiv(hidden_size + outputs, _BIAS_BLOCK),),
+    launch(_bias_grads_kernel, (cdiv(hidden_size + outputs, _BIAS_BLOCK),),
         bias_parts, db1, db2, bias_parts.shape[0], hidden_size, outputs, BLOCK=_BIAS_BLOCK,
     )
     return (dh @ w1, matmul_as(dh.t(), x, weight_dtype), db1, matmul_as(dy.t(), hidden, weight_dtype), db2)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from native_sparse_attention.kernels.launch import launch
-from native_sparse_attention.kernels.library import KERNEL_DTYPES
+from native_sparse_attention.kernels.library import KERNEL_DTYPES, cdiv, next_power_of_2
 
 __all__ = ["positioned_windows"]
 
@@ -138,11 +138,11 @@ def _forward(t: torch.Tensor, pos: torch.Tensor, size: int, stride: int, dtype: 
     b, h, n, d = t.shape
     windows = (n - size) // stride + 1
     out = _allocate((b, h, windows, size, d), dtype, t.device)
-    block_t = triton.next_power_of_2(size)
-    grid = (b * h, triton.cdiv(windows, _WINDOWS_PER_PROGRAM))
+    block_t = next_power_of_2(size)
+    grid = (b * h, cdiv(windows, _WINDOWS_PER_PROGRAM))
     launch(_windows_fwd_kernel, grid,
         t, pos, out, t.stride(0), t.stride(1), t.stride(2), h, windows, size, stride,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_T=block_t, WINDOWS=_WINDOWS_PER_PROGRAM,
+        HEAD_DIM=d, BLOCK_D=next_power_of_2(d), BLOCK_T=block_t, WINDOWS=_WINDOWS_PER_PROGRAM,
         num_warps=4,
     )
     return out
@@ -155,17 +155,17 @@ def _backward(dout: torch.Tensor, n: int, size: int, stride: int, t_dtype: torch
     dt = _allocate((b, h, n, d), t_dtype, dout.device) if t_dtype is not None else None
     # float32 whatever the dtypes: every program adds its partial sums into it.
     dpos = _zeros((h, size, d), torch.float32, dout.device) if pos_grad else None
-    block_s = triton.next_power_of_2(stride)
+    block_s = next_power_of_2(stride)
     groups = max(1, _TOKENS_PER_PROGRAM // block_s)
-    blocks = triton.cdiv(n, groups * stride)
-    per_program = triton.cdiv(blocks, max(1, _BACKWARD_PROGRAMS // (b * h))) if pos_grad else 1
-    overlap = triton.cdiv(size, stride)
-    grid = (b * h, triton.cdiv(blocks, per_program))
+    blocks = cdiv(n, groups * stride)
+    per_program = cdiv(blocks, max(1, _BACKWARD_PROGRAMS // (b * h))) if pos_grad else 1
+    overlap = cdiv(size, stride)
+    grid = (b * h, cdiv(blocks, per_program))
     # An unused buffer's argument is DOUT, never written.
     launch(_windows_bwd_kernel, grid,
         dout, dout if dt is None else dt, dout if dpos is None else dpos, h, n, windows, size, stride, per_program,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=block_s, GROUPS=groups, OVERLAP=overlap,
-        BLOCK_O=triton.next_power_of_2(overlap), TOKEN_GRAD=dt is not None, POS_GRAD=pos_grad, num_warps=8,
+        HEAD_DIM=d, BLOCK_D=next_power_of_2(d), BLOCK_S=block_s, GROUPS=groups, OVERLAP=overlap,
+        BLOCK_O=next_power_of_2(overlap), TOKEN_GRAD=dt is not None, POS_GRAD=pos_grad, num_warps=8,
     )
     return dt, dpos
 

@@ -84,12 +84,15 @@ from triton.language.standard import bitonic_merge
 
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
+    cdiv,
     dot_precision,
     head_pointer,
     head_strides,
     is_tokens_major,
     launcher_op,
+    multiprocessors,
     new_heads_tensor,
+    next_power_of_2,
     position_in_memory,
     row_tiles,
     start_position,
@@ -884,7 +887,7 @@ def _launch(kernel: str, q: torch.Tensor) -> _Launch:
 
 def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return multiprocessors(device)
     # Interpreter: a pretend GPU of two SMs, so that short test sequences split too.
     return 2
 
@@ -917,7 +920,7 @@ def _shares(programs: int, parts: int, programs_per_sm: int, device: torch.devic
     """Into how many shares to split each of a launch's ``programs`` programs, whose
     longest has ``parts`` pieces of work, for ``programs_per_sm`` programs per SM: at
     least 1, at most ``parts`` and ``most``."""
-    wanted = triton.cdiv(programs_per_sm * _multiprocessors(device), max(programs, 1))
+    wanted = cdiv(programs_per_sm * _multiprocessors(device), max(programs, 1))
     return max(1, min(parts, wanted, parts if most is None else most))
 
 
@@ -928,7 +931,7 @@ def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _block_d(head_dim: int) -> int:
     # tl.dot needs every dimension >= 16.
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _launch_meta(tiles: _Launch) -> dict:
@@ -946,10 +949,10 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
     tiles = _launch("forward", q)
     out = _allocate((b, hq, n, d), q.dtype, q.device)
     lse = _allocate((b, hq, n), torch.float32, q.device)
-    grid = (b * hq, triton.cdiv(n, tiles.block_m))
+    grid = (b * hq, cdiv(n, tiles.block_m))
     splits = 1
     if position is not None:
-        splits = _few_rows_splits(n, math.prod(grid), triton.cdiv(num_keys, tiles.block_n), q.device)
+        splits = _few_rows_splits(n, math.prod(grid), cdiv(num_keys, tiles.block_n), q.device)
     if splits > 1:
         partial_out = _allocate((splits, b * hq, n, d), torch.float32, q.device)
         partial_lse = _allocate((splits, b * hq, n), torch.float32, q.device)
@@ -967,8 +970,8 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
         DOT_PRECISION=dot_precision(q.dtype), **_launch_meta(tiles),
     )
     if splits > 1:
-        merge_rows = triton.next_power_of_2(n)
-        launch(_merge_partial_outputs_kernel, (b * hq, triton.cdiv(n, merge_rows)),
+        merge_rows = next_power_of_2(n)
+        launch(_merge_partial_outputs_kernel, (b * hq, cdiv(n, merge_rows)),
             partial_out, partial_lse, out, lse, *head_strides(out), hq, n, splits,
             HEAD_DIM=d, BLOCK_M=merge_rows, BLOCK_D=block_d, num_warps=4,
         )
@@ -984,7 +987,7 @@ def _blocks_per_key_tile(block_n: int, geo: _Geometry) -> int:
     """BLOCK_J: selection blocks that can overlap a tile of ``block_n`` compressed keys,
     padded for ``tl.dot``."""
     span = ((block_n - 1) * geo.compress_stride + geo.compress_block_size - 1) // geo.selection_block_size + 2
-    return max(16, triton.next_power_of_2(span))
+    return max(16, next_power_of_2(span))
 
 
 def _query_and_key_tiles(q, dout, ck, cv, tiles: _Launch, block_d: int):
@@ -1035,15 +1038,15 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
 
     # dQ first: it computes delta, which dK / dV read.
     dq = new_heads_tensor(q, is_tokens_major(q), lambda shape: _allocate(shape, q.dtype, q.device))
-    launch(_attention_bwd_dq_kernel, (b * hq, triton.cdiv(n, dq_tiles.block_m)),
+    launch(_attention_bwd_dq_kernel, (b * hq, cdiv(n, dq_tiles.block_m)),
         *_query_and_key_tiles(q, dout, ck, cv, dq_tiles, block_d), row_tiles(out, dq_tiles.block_m, block_d),
         ck, lse, delta, *selection, dq, *head_strides(ck), *head_strides(dq), *geometry,
         KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
     )
     # Partials per query head and share of the rows, summed below over each group and
     # the shares: no atomics, deterministic.
-    key_tiles = triton.cdiv(num_keys, dkdv_tiles.block_n)
-    splits = _dkdv_query_splits(b * hq * key_tiles, triton.cdiv(n, dkdv_tiles.block_m), q.device)
+    key_tiles = cdiv(num_keys, dkdv_tiles.block_n)
+    splits = _dkdv_query_splits(b * hq * key_tiles, cdiv(n, dkdv_tiles.block_m), q.device)
     dk_part = _allocate((splits, b, hq, num_keys, d), torch.float32, q.device)
     dv_part = _allocate((splits, b, hq, num_keys, d), torch.float32, q.device)
     if num_keys > 0:
@@ -1060,7 +1063,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
         # n = 8192 and 0.026 ms at 65536 on an H100, where torch's strided sum and a cast
         # took 0.025 and 0.037 ms.
         size = num_keys * d
-        launch(_sum_partials_kernel, (b * hk, triton.cdiv(size, _SUM_BLOCK), 2),
+        launch(_sum_partials_kernel, (b * hk, cdiv(size, _SUM_BLOCK), 2),
             dk_part, dv_part, dck, dcv, size, PARTS=splits, GROUP=hq // hk, BLOCK=_SUM_BLOCK, num_warps=4,
         )
     return dq, dck, dcv, delta
@@ -1077,7 +1080,7 @@ def _chunk_layout(compress_block_size, compress_stride, selection_block_size, bl
 
     num_c_tiles = math.ceil(span(1) / block_c)
     s_step = max(s for s in range(1, _MAX_SELECTION_LANES + 1) if span(s) <= num_c_tiles * block_c)
-    return s_step, num_c_tiles, max(16, triton.next_power_of_2(s_step))
+    return s_step, num_c_tiles, max(16, next_power_of_2(s_step))
 
 
 def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) -> BlockSelection:
@@ -1106,15 +1109,15 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
         # Past the last token any compressed key covers, which bounds the visible blocks.
         num_tokens = (num_keys - geo.num_mem) * geo.compress_stride + geo.compress_block_size
     num_blocks = num_selection_blocks(num_tokens, geo.selection_block_size)
-    tops = (b * hs, triton.cdiv(n, tiles.block_m))
-    chunks = triton.cdiv(num_blocks, s_step)
+    tops = (b * hs, cdiv(n, tiles.block_m))
+    chunks = cdiv(num_blocks, s_step)
     if position is None:
         splits = _shares(math.prod(tops), chunks, _SELECT_PROGRAMS_PER_SM, q.device, _MAX_SELECT_SPLITS)
     else:
         splits = _few_rows_splits(n, math.prod(tops), chunks, q.device)
     # At least 2: triton 3.6 fails to compile tl.topk(x, 1) of a single-row x, the merge
     # of a one-query step's partial tops.
-    topn_pad = max(2, triton.next_power_of_2(geo.num_selected))
+    topn_pad = max(2, next_power_of_2(geo.num_selected))
     # Never read without splits: any valid pointer does.
     partial_tops = indices if splits == 1 else _allocate((splits, b * hs, n, topn_pad), torch.int64, q.device)
     start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
@@ -1133,11 +1136,11 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None) ->
     )
     if splits > 1:
         # Rows of their own, not the scoring tile's: a decoding step's merge is one row.
-        merge_rows = min(triton.next_power_of_2(n), _MERGE_ROWS)
-        launch(_merge_partial_tops_kernel, (b * hs, triton.cdiv(n, merge_rows)),
+        merge_rows = min(next_power_of_2(n), _MERGE_ROWS)
+        launch(_merge_partial_tops_kernel, (b * hs, cdiv(n, merge_rows)),
             partial_tops, indices, mask, scores, n, splits,
             TOPN=geo.num_selected, TOPN_PAD=topn_pad, BLOCK_M=merge_rows,
-            MAX_SPLITS=_MAX_FEW_ROWS_SPLITS if position is not None else triton.next_power_of_2(splits), num_warps=4,
+            MAX_SPLITS=_MAX_FEW_ROWS_SPLITS if position is not None else next_power_of_2(splits), num_warps=4,
         )
     return BlockSelection(indices, mask, scores)
 

@@ -41,7 +41,7 @@ from native_sparse_attention.kernels import compressed as compressed_kernels
 from native_sparse_attention.kernels import selection as selection_kernels
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
-    head_strides, launcher_op, matmul_as, side_by_side, unit_stride_last,
+    cdiv, head_strides, launcher_op, matmul_as, next_power_of_2, side_by_side, unit_stride_last,
 )
 from native_sparse_attention.selection import BlockSelection
 
@@ -197,7 +197,7 @@ def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def _block_d(head_dim: int) -> int:
-    return triton.next_power_of_2(head_dim)
+    return next_power_of_2(head_dim)
 
 
 def _fake_forward(gates, branch0, branch1, branch2):
@@ -212,7 +212,7 @@ def _forward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor,
     b, h, n, d = branch0.shape
     out_dtype = torch.promote_types(gates.dtype, branch0.dtype)
     out = torch.empty(b, n, h * d, dtype=out_dtype, device=branch0.device)
-    grid = (b * h, triton.cdiv(n, _BLOCK_N))
+    grid = (b * h, cdiv(n, _BLOCK_N))
     launch(_gated_sum_fwd_kernel, grid,
         gates, branch0, branch1, branch2, out,
         *gates.stride(),
@@ -236,7 +236,7 @@ def _backward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor,
     dout = dout.contiguous()
     grads = [torch.empty(b, h, n, d, dtype=t.dtype, device=t.device) for t in branches]
     dgates = torch.empty(3, b, h, n, dtype=torch.float32, device=dout.device)
-    grid = (b * h, triton.cdiv(n, _BLOCK_N))
+    grid = (b * h, cdiv(n, _BLOCK_N))
     launch(_gated_sum_bwd_kernel, grid,
         gates, *branches, dout, *grads, dgates,
         *gates.stride(),
@@ -289,7 +289,7 @@ def _folded_lses(gates: torch.Tensor, *lses: torch.Tensor) -> torch.Tensor:
         return torch.where(gates > 0, torch.stack(lses) - gates.float().log(), float("inf")).contiguous()
     _, b, h, n = gates.shape
     folded = _allocate((3, b, h, n), torch.float32, gates.device)
-    launch(_folded_lses_kernel, (b * h, triton.cdiv(n, _LSE_BLOCK_N)),
+    launch(_folded_lses_kernel, (b * h, cdiv(n, _LSE_BLOCK_N)),
         gates, *lses, folded, *gates.stride(), *(stride for lse in lses for stride in lse.stride()), h, n,
         BLOCK_N=_LSE_BLOCK_N,
     )

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from native_sparse_attention.kernels.launch import launch
-from native_sparse_attention.kernels.library import KERNEL_DTYPES, column_sums
+from native_sparse_attention.kernels.library import KERNEL_DTYPES, cdiv, column_sums, next_power_of_2
 
 __all__ = ["gate_sigmoids"]
 
@@ -93,10 +93,10 @@ class _GateSigmoids(torch.autograd.Function):
         b, n, columns = logits.shape
         rows = logits.flatten(0, 1)
         gates = _allocate((3, b, columns // 3, n), logits.dtype, logits.device)
-        grid = (triton.cdiv(b * n, _BLOCK_R),)
+        grid = (cdiv(b * n, _BLOCK_R),)
         launch(_gate_sigmoid_fwd_kernel, grid,
             rows, bias if bias is not None else rows, gates, rows.stride(0), b * n, n, columns // 3,
-            C=columns, HAS_BIAS=bias is not None, BLOCK_R=_BLOCK_R, BLOCK_C=triton.next_power_of_2(columns),
+            C=columns, HAS_BIAS=bias is not None, BLOCK_R=_BLOCK_R, BLOCK_C=next_power_of_2(columns),
         )
         ctx.save_for_backward(gates)
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -109,12 +109,12 @@ class _GateSigmoids(torch.autograd.Function):
         columns = 3 * heads
         dgates = dgates.contiguous()
         dlogits = _allocate((b, n, columns), gates.dtype, gates.device)
-        programs = triton.cdiv(b * n, _BLOCK_R)
+        programs = cdiv(b * n, _BLOCK_R)
         has_bias = ctx.bias_dtype is not None
         parts = _allocate((programs, columns) if has_bias else (0,), torch.float32, gates.device)
         launch(_gate_sigmoid_bwd_kernel, (programs,),
             gates, dgates, dlogits, parts, b * n, n, heads,
-            C=columns, HAS_BIAS=has_bias, BLOCK_R=_BLOCK_R, BLOCK_C=triton.next_power_of_2(columns),
+            C=columns, HAS_BIAS=has_bias, BLOCK_R=_BLOCK_R, BLOCK_C=next_power_of_2(columns),
         )
         if not has_bias:
             return dlogits, None

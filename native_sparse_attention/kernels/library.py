@@ -29,15 +29,40 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from native_sparse_attention.kernels.launch import launch
 
-__all__ = ["NAMESPACE", "KERNEL_DTYPES", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor",
-           "head_strides", "unit_stride_last", "row_tiles", "position_in_memory", "start_position", "head_offset",
-           "head_pointer", "cast_block", "column_sums", "dot_precision", "matmul_as"]
+__all__ = ["NAMESPACE", "KERNEL_DTYPES", "cdiv", "next_power_of_2", "multiprocessors", "launcher_op",
+           "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
+           "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer", "cast_block",
+           "column_sums", "dot_precision", "matmul_as"]
 
 NAMESPACE = "native_sparse_attention"
 # The floating dtypes the elementwise kernels read and write.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 T = TypeVar("T")
 U = TypeVar("U")
+
+
+# The launchers' own arithmetic. ``triton.cdiv`` and ``triton.next_power_of_2`` are
+# constexpr functions, whose wrapper unwraps every argument: about 1 us a call on an H100
+# host's CPU against 0.1, and an eager layer step makes some 120 of them.
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ``b > 0``, as ``triton.cdiv`` computes it (SymInts too)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` for ``n >= 1`` (0 for 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+@functools.cache
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """SMs of the CUDA ``device``, looked up once per device (a properties query: 1.8 us)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _properties(index).multi_processor_count
 
 
 # The launchers read any strides, and the fakes derive their outputs' layouts from the
@@ -257,9 +282,9 @@ def column_sums(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if parts.device.type != "cuda":
         block_r, block_c = 2, 4  # interpreter: small tiles, so that test sizes span several
     else:
-        block_c = max(4, min(64, triton.next_power_of_2(triton.cdiv(columns, 128))))
+        block_c = max(4, min(64, next_power_of_2(cdiv(columns, 128))))
         block_r = 1024 // block_c
-    launch(_column_sums_kernel, (triton.cdiv(columns, block_c),), parts, out, rows, columns, BLOCK_R=block_r,
+    launch(_column_sums_kernel, (cdiv(columns, block_c),), parts, out, rows, columns, BLOCK_R=block_r,
            BLOCK_C=block_c)
     return out
 

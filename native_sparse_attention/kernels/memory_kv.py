@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from native_sparse_attention.kernels.launch import launch
-from native_sparse_attention.kernels.library import KERNEL_DTYPES
+from native_sparse_attention.kernels.library import KERNEL_DTYPES, cdiv, next_power_of_2
 
 __all__ = ["with_memory"]
 
@@ -118,11 +118,11 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _grid(z: int, h: int, rows: int) -> tuple[int, int]:
-    return z * h, triton.cdiv(rows, _BLOCK_R)
+    return z * h, cdiv(rows, _BLOCK_R)
 
 
 def _tile(d: int) -> dict:
-    return dict(HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=_BLOCK_R)
+    return dict(HEAD_DIM=d, BLOCK_D=next_power_of_2(d), BLOCK_R=_BLOCK_R)
 
 
 class _WithMemory(torch.autograd.Function):

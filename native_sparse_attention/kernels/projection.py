@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from native_sparse_attention.kernels.launch import launch
-from native_sparse_attention.kernels.library import KERNEL_DTYPES, cast_block, matmul_as
+from native_sparse_attention.kernels.library import KERNEL_DTYPES, cast_block, cdiv, matmul_as
 
 __all__ = ["project", "projected"]
 
@@ -57,7 +57,7 @@ def _concatenated(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.
         return weights[0]
     first, second = (weights[0], weights[0][:0]) if len(weights) == 1 else weights
     out = _allocate((first.shape[0] + second.shape[0], first.shape[1]), dtype, first.device)
-    blocks = triton.cdiv(first.numel(), _CAST_BLOCK) + triton.cdiv(second.numel(), _CAST_BLOCK)
+    blocks = cdiv(first.numel(), _CAST_BLOCK) + cdiv(second.numel(), _CAST_BLOCK)
     if blocks:
         launch(_cast_concat_kernel, (blocks,), first, second, out, first.numel(), second.numel(),
                BLOCK=_CAST_BLOCK, num_warps=4)

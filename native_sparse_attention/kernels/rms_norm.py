@@ -29,7 +29,7 @@ from torch import nn
 
 from native_sparse_attention.compress import has_hooks
 from native_sparse_attention.kernels.launch import launch
-from native_sparse_attention.kernels.library import KERNEL_DTYPES, column_sums
+from native_sparse_attention.kernels.library import KERNEL_DTYPES, column_sums, multiprocessors, next_power_of_2
 
 __all__ = ["rms_norm", "normed_for_projection", "MAX_COLUMNS"]
 
@@ -84,7 +84,7 @@ def _backward_programs(rows: int, device: torch.device) -> int:
     """Four programs per SM (each walking every P-th row), at most one per row."""
     if device.type != "cuda":
         return min(rows, 3)  # interpreter: a few, so that tests walk several rows each
-    return max(1, min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(rows, 4 * multiprocessors(device)))
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -93,7 +93,7 @@ class _RMSNorm(torch.autograd.Function):
         rows, columns = x.shape
         y = _allocate((rows, columns), dtype, x.device)
         rstd = _allocate((rows,), torch.float32, x.device)
-        block_c = triton.next_power_of_2(columns)
+        block_c = next_power_of_2(columns)
         if rows:
             launch(_rms_norm_fwd_kernel, (rows,), x, weight, y, rstd, rows, eps, COLUMNS=columns, BLOCK_C=block_c,
                    num_warps=_num_warps(block_c))
@@ -110,7 +110,7 @@ class _RMSNorm(torch.autograd.Function):
         if not rows:
             return dx, torch.zeros_like(weight), None, None
         parts = _allocate((programs, columns), torch.float32, x.device)
-        block_c = triton.next_power_of_2(columns)
+        block_c = next_power_of_2(columns)
         launch(_rms_norm_bwd_kernel, (programs,), x, weight, dy, rstd, dx, parts, rows, COLUMNS=columns,
                BLOCK_C=block_c, num_warps=_num_warps(block_c))
         return dx, column_sums(parts, _allocate((columns,), weight.dtype, x.device)), None, None

@@ -43,10 +43,12 @@ import triton.language as tl
 
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
+    cdiv,
     head_strides,
     is_tokens_major,
     launcher_op,
     new_heads_tensor,
+    next_power_of_2,
     position_in_memory,
     start_position,
     unit_stride_last,
@@ -248,11 +250,11 @@ def _launch_rotary(t: torch.Tensor, inv_freq: torch.Tensor, offset: int | torch.
     out = new_heads_tensor(t, tokens_major, lambda shape: _empty(shape, t.dtype, t.device))
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(n, _BLOCK_N), b * triton.cdiv(h, _HEADS_PER_PROGRAM))
+    grid = (cdiv(n, _BLOCK_N), b * cdiv(h, _HEADS_PER_PROGRAM))
     start, start_ptr, in_memory = position_in_memory(offset, inv_freq)
     launch(_rotary_kernel, grid,
         t, out, inv_freq, *t.stride(), *out.stride()[:3], h, n, start, start_ptr,
-        HALF=d // 2, BLOCK_N=_BLOCK_N, BLOCK_HALF=triton.next_power_of_2(d // 2),
+        HALF=d // 2, BLOCK_N=_BLOCK_N, BLOCK_HALF=next_power_of_2(d // 2),
         HEADS=_HEADS_PER_PROGRAM, INVERSE=inverse, OFFSET_IN_MEMORY=in_memory,
     )
     return out
@@ -327,15 +329,15 @@ def _qkv_grad(dq: torch.Tensor | None, drq: torch.Tensor | None, dk: torch.Tenso
     if out.numel() == 0:
         return out
     dq, drq, dk, drk, dv, drest = (unit_stride_last(t) for t in (dq, drq, dk, drk, dv, drest))
-    groups = (triton.cdiv(heads, _HEADS_PER_PROGRAM) + 2 * triton.cdiv(kv_heads, _HEADS_PER_PROGRAM)
+    groups = (cdiv(heads, _HEADS_PER_PROGRAM) + 2 * cdiv(kv_heads, _HEADS_PER_PROGRAM)
               + int(rest > 0))
-    grid = (triton.cdiv(seq_len, _BLOCK_N), batch * groups)
+    grid = (cdiv(seq_len, _BLOCK_N), batch * groups)
     launch(_qkv_grad_kernel, grid,
         dq, drq, dk, drk, dv, drest, out, inv_freq,
         *head_strides(dq), *head_strides(drq), *head_strides(dk), *head_strides(drk),
         *head_strides(dv), *((0, 0) if drest is None else drest.stride()[:2]),
         heads, kv_heads, rest, seq_len, offset,
-        HALF=half, BLOCK_N=_BLOCK_N, BLOCK_HALF=triton.next_power_of_2(half),
+        HALF=half, BLOCK_N=_BLOCK_N, BLOCK_HALF=next_power_of_2(half),
         HEADS=_HEADS_PER_PROGRAM, BLOCK_E=_BLOCK_REST, HAS_DQ=dq is not None,
         HAS_DRQ=drq is not None, HAS_DK=dk is not None, HAS_DRK=drk is not None,
         HAS_DV=dv is not None, HAS_DREST=drest is not None, REST_GROUPS=int(rest > 0),

@@ -135,7 +135,8 @@ from native_sparse_attention.kernels.attention_tiles import (
 )
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
-    dot_precision, launcher_op, position_in_memory, row_tiles, side_by_side, start_position,
+    cdiv, dot_precision, launcher_op, next_power_of_2, position_in_memory, row_tiles, side_by_side,
+    start_position,
 )
 from native_sparse_attention.kernels.sliding_window import window_dkv_kernel, window_dq_kernel, window_forward
 
@@ -761,7 +762,7 @@ def _fine_block(block_size: int, preferred: int) -> int:
 
 
 def _padded_head_dim(d: int) -> int:
-    return max(MIN_ROWS, triton.next_power_of_2(d))
+    return max(MIN_ROWS, next_power_of_2(d))
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -807,7 +808,7 @@ class _Problem:
         return dict(
             SEL=self.num_slots,
             NUM_SETS=self.num_slots + self.causal,
-            SETS_PAD=triton.next_power_of_2(self.num_slots + self.causal) if self.num_slots + self.causal else 1,
+            SETS_PAD=next_power_of_2(self.num_slots + self.causal) if self.num_slots + self.causal else 1,
             BLOCK_SIZE=self.block_size,
             FINE_N=self.fine_n,
             SEL_SHARED_HEADS=self.query_heads // self.selection_heads,
@@ -829,7 +830,7 @@ class _Problem:
 
     @property
     def heads_pad(self) -> int:
-        return triton.next_power_of_2(self.query_heads // self.selection_heads)
+        return next_power_of_2(self.query_heads // self.selection_heads)
 
     def window_tile(self, for_dq: bool) -> tuple[int, int]:
         """Rows and key tile of the forward's (or window_dq_kernel's) window tiles."""
@@ -838,7 +839,7 @@ class _Problem:
         return max(rows, MIN_ROWS, self.heads_pad), keys
 
     def num_window_tiles(self, for_dq: bool) -> int:
-        return triton.cdiv(self.seq_len, self.window_tile(for_dq)[0] // self.heads_pad)
+        return cdiv(self.seq_len, self.window_tile(for_dq)[0] // self.heads_pad)
 
     def window_constexprs(self, for_dq: bool) -> dict:
         rows, keys = self.window_tile(for_dq)
@@ -846,7 +847,7 @@ class _Problem:
 
     @property
     def gqa_pad(self) -> int:
-        return triton.next_power_of_2(self.query_heads // self.kv_heads)
+        return next_power_of_2(self.query_heads // self.kv_heads)
 
     @property
     def window_dkv_rows(self) -> int:
@@ -857,7 +858,7 @@ class _Problem:
     def window_dkv_steps(self) -> int:
         """Steps of window_dkv_kernel that cover every query seeing a key tile."""
         span = self.config.window_block_n + (self.window if self.causal else 2 * self.window)
-        return triton.cdiv(span, self.window_dkv_rows // self.gqa_pad)
+        return cdiv(span, self.window_dkv_rows // self.gqa_pad)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -866,7 +867,7 @@ class _Problem:
 
     @property
     def num_blocks(self) -> int:
-        return triton.cdiv(self.seq_len, self.block_size)
+        return cdiv(self.seq_len, self.block_size)
 
     @property
     def num_key_blocks(self) -> int:
@@ -1025,7 +1026,7 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     key_dtype = next(dtype for dtype in (torch.int16, torch.int32, torch.int64) if num_keys < torch.iinfo(dtype).max)
     keys = torch.empty((b, hs, n, constexprs["NUM_SETS"]), dtype=key_dtype, device=device)
     entries = torch.empty(keys.shape, dtype=torch.int64, device=device)
-    launch(_entry_keys_kernel, (triton.cdiv(n, ENTRY_KEYS_QUERIES), hs, b),
+    launch(_entry_keys_kernel, (cdiv(n, ENTRY_KEYS_QUERIES), hs, b),
         indices, fmask, keys, entries,
         n, problem.kv_heads, hs, problem.num_blocks, num_keys,
         **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "SETS_PAD", "BLOCK_SIZE")},
@@ -1038,12 +1039,12 @@ def _key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Te
     first_chunk = torch.empty(num_keys + 1, dtype=torch.int64, device=device)
     launch(_first_chunks_kernel, (1,), first_entry, first_chunk, num_keys, CHUNK=chunk, BLOCK=FIRST_CHUNK_KEYS)
     entries = entries.flatten()[order]
-    max_chunks = triton.cdiv(keys.numel(), chunk) + num_keys
+    max_chunks = cdiv(keys.numel(), chunk) + num_keys
     chunk_key = torch.empty(max_chunks, dtype=torch.int32, device=device)
     ordered = _orders_chunks(problem, element_size, device)
     position_dtype = torch.int32 if b * problem.kv_heads * n < torch.iinfo(torch.int32).max else torch.int64
     position = torch.empty(max_chunks if ordered else 0, dtype=position_dtype, device=device)
-    launch(_chunk_keys_kernel, (triton.cdiv(max_chunks, CHUNK_KEYS_BLOCK),),
+    launch(_chunk_keys_kernel, (cdiv(max_chunks, CHUNK_KEYS_BLOCK),),
         entries, first_entry, first_chunk, chunk_key, position if ordered else chunk_key, max_chunks, num_keys,
         num_keys.bit_length(), n, problem.num_blocks,
         CHUNK=chunk,
@@ -1058,7 +1059,7 @@ def _fake_key_block_entries(problem: _Problem, element_size: int, device: torch.
     """``_key_block_entries(...).tensors()``'s shapes and dtypes."""
     num_keys = problem.num_key_blocks
     num_entries = problem.batch * problem.selection_heads * problem.seq_len * problem.constexprs["NUM_SETS"]
-    max_chunks = triton.cdiv(num_entries, problem.config.dkv_chunk) + num_keys
+    max_chunks = cdiv(num_entries, problem.config.dkv_chunk) + num_keys
     order = max_chunks if _orders_chunks(problem, element_size, device) else 0
     return [torch.empty(size, dtype=dtype, device=device) for size, dtype in (
         (num_entries, torch.int64), (num_keys + 1, torch.int64), (num_keys + 1, torch.int64),
@@ -1138,7 +1139,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
         dq_launches()
     if constexprs["NUM_SETS"]:
         ordered = table.chunk_order is not None
-        rows_per_entry = triton.next_power_of_2(hq // hs)
+        rows_per_entry = next_power_of_2(hq // hs)
         launch(_dkv_kernel, (table.chunk_key.numel(), problem.block_size // problem.fine_n),
             q, k, v, d_out, row_stats, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
             table.chunk_key, table.chunk_order if ordered else table.chunk_key, dk_acc, dv_acc,
@@ -1153,7 +1154,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
             DO_ROWS=_row_layout(d_out),
             M=max(config.dkv_rows, rows_per_entry),
             CHUNK=config.dkv_chunk,
-            CHUNK_PAD=triton.next_power_of_2(config.dkv_chunk),
+            CHUNK_PAD=next_power_of_2(config.dkv_chunk),
             DOT_PRECISION=precision,
             num_warps=config.dkv_warps,
             num_stages=config.dkv_stages,
@@ -1162,7 +1163,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
     if sliding:
         dk = _empty((b, hk, n, d), k.dtype, k.device)
         dv = _empty((b, hk, n, d), v.dtype, v.device)
-        grid = (triton.cdiv(n, config.window_block_n), hk, b)
+        grid = (cdiv(n, config.window_block_n), hk, b)
         launch(window_dkv_kernel, grid,
             q, k, v, d_swa_out, swa_lse, swa_delta, dk_acc, dv_acc, dk, dv,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),
