@@ -5,9 +5,9 @@ Each configuration is the enwik8 preset's model (dim 512, depth 6, 8 query heads
 heads of dim 64, sliding window 64, compression 16 / stride 8, selection blocks of 16, 4
 selected) taking whole training steps (``training.train_step``: bf16 autocast, forward,
 backward, gradient clipping, fused AdamW) on random bytes, with the batch sized so every
-step holds 8192 tokens, launched eagerly and with the forward and backward replayed from
-a CUDA graph (``train.py --cuda-graph``). tokens/s comes from the median step time (CUDA
-events).
+step holds 8192 tokens, launched eagerly (``train.py --no-cuda-graph``) and with the
+forward and backward replayed from a CUDA graph (``train.py``'s default on one GPU).
+tokens/s comes from the median step time (CUDA events).
 
 With ``--runs``, the section also lists ``train.py`` runs: validation bits per byte at the
 last step every run validated, and the median of their logged tokens/s.
@@ -19,6 +19,7 @@ last step every run validated, and the median of their logged tokens/s.
 from __future__ import annotations
 
 import gc
+import json
 import statistics
 import sys
 from dataclasses import dataclass, fields, replace
@@ -110,16 +111,31 @@ def throughput_table(results: dict[tuple[int, str, bool], Measurement]) -> str:
                            "speed vs full"], rows)
 
 
-def command_line(config: dict) -> str:
-    """The train.py command that reproduces a run's settings (up to --run-dir)."""
-    preset = config.get("preset") or "enwik8"
+def command_line(settings: dict) -> str:
+    """The train.py command that reproduces a run's settings (config.json's, without its
+    ``run`` section), up to --run-dir."""
+    preset = settings.get("preset") or "enwik8"
     defaults = TrainConfig(**PRESETS[preset])
     flags = [f"--preset {preset}"]
     for setting in fields(TrainConfig):
-        value = config.get(setting.name)
-        if setting.name != "preset" and value is not None and value != getattr(defaults, setting.name):
-            flags.append(f"--{setting.name.replace('_', '-')} {value}")
+        value = settings.get(setting.name)
+        if setting.name == "preset" or value is None or value == getattr(defaults, setting.name):
+            continue
+        flag = "--" + setting.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags.append(f"{flag} {value}")
     return "python train.py " + " ".join(flags)
+
+
+def _settings(run_dir: Path) -> dict:
+    """config.json's settings, without the ``run`` section that read_config merges in."""
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {name: value for name, value in saved.items() if name != "run"}
 
 
 def runs_table(run_dirs: list[Path]) -> tuple[str, int | None]:
@@ -134,15 +150,17 @@ def runs_table(run_dirs: list[Path]) -> tuple[str, int | None]:
         attention = config.get("attn", "?")
         if config.get("attention_backend"):
             attention += f" ({config['attention_backend']})"
+        launch = {True: "CUDA graph", False: "eager"}.get(config.get("cuda_graph"), "-")
         val = next((r["val_bpb"] for r in records if r["step"] == step and "val_bpb" in r), None)
         # The first record includes compilation and warm-up.
         speeds = [r["tokens_per_s"] for r in records[1:] if "tokens_per_s" in r]
         corpus = f"{config.get('corpus', '?')} ({config.get('corpus_bytes', 0) / 1e6:.1f} MB)"
-        rows.append([run_dir.name, attention, f"{config.get('num_parameters', 0) / 1e6:.1f}M", corpus,
+        rows.append([run_dir.name, attention, launch, f"{config.get('num_parameters', 0) / 1e6:.1f}M", corpus,
                      records[-1]["step"] if records else 0, "-" if val is None else f"{val:.4f}",
                      f"{statistics.median(speeds):,.0f}" if speeds else "-"])
-    header = ["run", "attention", "parameters", "corpus", "steps", f"val bpb at step {step}", "median tokens/s"]
-    commands = "\n".join(f"- {run_dir.name}: `{command_line(read_config(run_dir))}`" for run_dir in run_dirs)
+    header = ["run", "attention", "launch", "parameters", "corpus", "steps", f"val bpb at step {step}",
+              "median tokens/s"]
+    commands = "\n".join(f"- {run_dir.name}: `{command_line(_settings(run_dir))}`" for run_dir in run_dirs)
     return markdown_table(header, rows) + "\n\n" + commands, step
 
 
@@ -171,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         f"The `enwik8` preset's model (dim 512, depth 6, 8 query / 4 kv heads of dim 64; NSA: sliding "
         f"window 64, compression 16 / stride 8, selection blocks 16, 4 selected) taking whole training "
         f"steps (bf16 autocast, forward, backward, clipping, fused AdamW) with {TOKENS_PER_STEP} tokens "
-        f"per step, launched eagerly or with each forward and backward replayed from a CUDA graph "
-        f"(`train.py --cuda-graph`); median step time over CUDA events; peak is "
+        f"per step, launched eagerly (`train.py --no-cuda-graph`) or with each forward and backward replayed "
+        f"from a CUDA graph (`train.py`'s default on one GPU); median step time over CUDA events; peak is "
         f"`torch.cuda.max_memory_allocated` over the first two steps (the graph's capture included), "
         f"weights and optimizer state included.",
         "",

@@ -180,3 +180,27 @@ def test_replayed_step_holds_what_its_graph_reads(monkeypatch):
     del step
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+def test_train_runs_table_gives_each_runs_launch_and_command(tmp_path):
+    import json
+
+    from benchmarks.bench_train import runs_table
+
+    for name, settings, graphed in (("sparse", {"attn": "sparse"}, True),
+                                    ("full", {"attn": "full", "cuda_graph": False, "compile": True}, False)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        config = {"preset": "enwik8", "steps": 200, "cuda_graph": None, **settings,
+                  "run": {"attention_backend": "triton" if name == "sparse" else None, "cuda_graph": graphed,
+                          "corpus": "stdlib", "corpus_bytes": 10_700_000, "num_parameters": 31_100_000}}
+        (run_dir / "config.json").write_text(json.dumps(config))
+        records = [{"step": 1, "loss": 5.0, "tokens_per_s": 10.0}, {"step": 2, "loss": 4.0, "tokens_per_s": 700.0,
+                                                                     "val_bpb": 3.0}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    table, step = runs_table([tmp_path / "sparse", tmp_path / "full"])
+    assert step == 2
+    assert "| sparse | sparse (triton) | CUDA graph | 31.1M | stdlib (10.7 MB) | 2 | 3.0000 | 700 |" in table
+    assert "| full | full | eager |" in table
+    assert "- sparse: `python train.py --preset enwik8 --steps 200`" in table
+    assert "- full: `python train.py --preset enwik8 --attn full --steps 200 --compile --no-cuda-graph`" in table

@@ -93,6 +93,7 @@ def test_tiny_run_writes_config_metrics_plot_samples_and_checkpoints(corpus, tmp
     config = json.loads((run_dir / "config.json").read_text())
     assert config["dim"] == 32 and config["attn"] == "sparse" and config["data"] == str(corpus)
     assert config["run"]["corpus_bytes"] == 60_000 and config["run"]["tokens_per_step"] == 4 * 64
+    assert config["cuda_graph"] is None and config["run"]["cuda_graph"] is False  # the default, on the CPU
 
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 41))
@@ -132,13 +133,16 @@ def test_resumed_run_logs_the_losses_of_an_uninterrupted_one(corpus, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("attn", ["sparse", "full"])
 def test_cuda_graph_steps_match_eager_ones(attn, corpus, tmp_path):
-    """--cuda-graph replays the micro-batches' forward and backward (two per step here);
-    the losses follow the eager run's up to the rounding of atomic float adds."""
+    """On one GPU the steps replay the micro-batches' forward and backward (two per step
+    here) from CUDA graphs by default; the losses follow those of eager steps
+    (--no-cuda-graph) up to the rounding of atomic float adds."""
     flags = ("--device", "cuda", "--attn", attn, "--compress-block", "16", "--compress-stride", "8",
              "--selection-block", "16", "--steps", "12", "--grad-accum", "2", "--log-every", "1",
              "--val-every", "12", "--sample-every", "12", "--checkpoint-every", "6")
-    assert run_train(corpus, tmp_path / "eager", *flags) == 0
-    assert run_train(corpus, tmp_path / "graph", *flags, "--cuda-graph") == 0
+    assert run_train(corpus, tmp_path / "eager", *flags, "--no-cuda-graph") == 0
+    assert run_train(corpus, tmp_path / "graph", *flags) == 0
+    for run, graphed in (("eager", False), ("graph", True)):
+        assert json.loads((tmp_path / run / "config.json").read_text())["run"]["cuda_graph"] is graphed
     eager, graph = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "graph")
     assert [r["step"] for r in graph] == list(range(1, 13))
     assert graph[0]["loss"] > graph[-1]["loss"] + 0.5
@@ -158,6 +162,31 @@ def test_cuda_graph_refuses_what_it_cannot_capture():
         check(training.TrainConfig(cuda_graph=True, backend="flex"), use_cuda=True)
     check(training.TrainConfig(cuda_graph=True, backend="triton"), use_cuda=True)
     check(training.TrainConfig(cuda_graph=True, attn="full"), use_cuda=True)
+
+
+def test_cuda_graphs_are_the_default_where_they_work():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    possible = training.cuda_graph_possible
+    assert possible(training.TrainConfig(), cuda, distributed=False)
+    assert possible(training.TrainConfig(backend="triton"), cuda, distributed=False)
+    assert possible(training.TrainConfig(attn="full"), cuda, distributed=False)
+    assert not possible(training.TrainConfig(), cpu, distributed=False)
+    assert not possible(training.TrainConfig(), cuda, distributed=True)
+    assert not possible(training.TrainConfig(compile=True), cuda, distributed=False)
+    assert not possible(training.TrainConfig(backend="flex"), cuda, distributed=False)
+
+
+def test_a_failed_default_capture_falls_back_to_eager_steps(corpus, tmp_path, capsys, monkeypatch):
+    class FailingCapture:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors ...")
+
+    monkeypatch.setattr(training, "cuda_graph_possible", lambda *args: True)
+    monkeypatch.setattr(training, "GraphedLossBackward", FailingCapture)
+    assert run_train(corpus, tmp_path / "run", "--steps", "3", "--log-every", "1") == 0
+    assert ("CUDA graph capture failed (operation not permitted when stream is capturing): "
+            "training with eager steps") in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
