@@ -394,14 +394,16 @@ def evaluate(model: Transformer, data: torch.Tensor, offsets: torch.Tensor, conf
     return (totals[0] / totals[1]).item()
 
 
-def generate_sample(model: Transformer, prompt: torch.Tensor, config: TrainConfig, seed: int) -> str:
-    """Continue ``prompt: [p]`` by ``sample_len`` bytes with the KV cache. Uses its own
-    seeded RNG, leaving the training RNG untouched."""
+def generate_sample(model: Transformer, prompt: torch.Tensor, config: TrainConfig, seed: int,
+                    use_cuda_graph: bool = False) -> str:
+    """Continue ``prompt: [p]`` by ``sample_len`` bytes with the KV cache, each decoding step
+    replayed from a CUDA graph with ``use_cuda_graph`` (``Transformer.sample``). Uses its
+    own seeded RNG, leaving the training RNG untouched."""
     device = prompt.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(device):
         torch.manual_seed(seed)
         generated = model.sample(prompt, prompt.numel() + config.sample_len, temperature=1.0,
-                                 filter_thres=0.9, use_cache_kv=True)
+                                 filter_thres=0.9, use_cache_kv=True, use_cuda_graph=use_cuda_graph)
     return bytes(generated.tolist()).decode("utf-8", errors="replace")
 
 
@@ -502,6 +504,11 @@ def _truncate_metrics(path: Path, step: int) -> None:
             continue
     with atomic_write(path) as temporary:
         temporary.write_text("".join(kept))
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _due(step: int, every: int) -> bool:
@@ -648,13 +655,21 @@ class Trainer:
             if self.config.cuda_graph:
                 raise
             self.cuda_graph = False
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            self.log(f"CUDA graph capture failed ({first_line}): training with eager steps "
+            self.log(f"CUDA graph capture failed ({_first_line(error)}): training with eager steps "
                      "(--no-cuda-graph skips the attempt)")
             return None
 
     def _sample(self, step: int) -> None:
-        text = generate_sample(self.model, self.prompt, self.config, seed=self.config.seed + step)
+        # Sparse layers on the Triton kernels decode from CUDA graphs too, where the steps do.
+        graphed = self.cuda_graph and self.backend == "triton"
+        try:
+            text = generate_sample(self.model, self.prompt, self.config, self.config.seed + step, graphed)
+        except RuntimeError as error:
+            if not graphed or self.config.cuda_graph:
+                raise
+            self.log(f"CUDA graph capture of a decoding step failed ({_first_line(error)}): sampling eagerly")
+            self.cuda_graph = False  # graphs were only the default: no more captures
+            text = generate_sample(self.model, self.prompt, self.config, self.config.seed + step)
         prompt_text = bytes(self.prompt.tolist()).decode("utf-8", errors="replace")
         self.log(f"step {step} sample:\n{prompt_text}\u2502{text}")
         with (self.run_dir / "samples.txt").open("a") as file:

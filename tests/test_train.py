@@ -189,6 +189,37 @@ def test_a_failed_default_capture_falls_back_to_eager_steps(corpus, tmp_path, ca
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
 
 
+def test_a_failed_default_decoding_capture_samples_eagerly(corpus, tmp_path, capsys, monkeypatch):
+    class EagerStep:
+        """Stands in for the captured micro-step, which the CPU cannot capture."""
+
+        def __init__(self, model, example_ids, loss_scale):
+            self.model, self.loss_scale = model, loss_scale
+
+        def __call__(self, ids):
+            loss = self.model(ids, return_loss=True)
+            (loss * self.loss_scale).backward()
+            return loss.detach()
+
+    sample = training.generate_sample
+
+    def generate(model, prompt, config, seed, use_cuda_graph=False):
+        if use_cuda_graph:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return sample(model, prompt, config, seed)
+
+    monkeypatch.setattr(training, "cuda_graph_possible", lambda *args: True)
+    monkeypatch.setattr(training, "attention_backend", lambda config, device: "triton")
+    monkeypatch.setattr(training, "GraphedLossBackward", EagerStep)
+    monkeypatch.setattr(training, "generate_sample", generate)
+    assert run_train(corpus, tmp_path / "run", "--steps", "2", "--sample-every", "1", "--compress-block", "16",
+                     "--compress-stride", "8", "--selection-block", "16") == 0
+    printed = capsys.readouterr().out
+    assert printed.count("CUDA graph capture of a decoding step failed (CUDA error: operation not permitted "
+                         "when stream is capturing): sampling eagerly") == 1
+    assert (tmp_path / "run" / "samples.txt").read_text().count("=== step") == 2
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_checkpoints_the_last_step_and_the_run_resumes(signum, corpus, tmp_path):
     run_dir = tmp_path / "run"
