@@ -1,4 +1,5 @@
-"""A training micro-step (forward, loss, backward) captured once into a CUDA graph.
+"""A training micro-step (forward, loss, backward), or a validation batch's loss, captured
+once into a CUDA graph.
 
 Short sequences leave the GPU waiting on Python: an NSA layer launches well over a
 hundred kernels per forward and backward, and at a few thousand tokens their launch takes
@@ -14,7 +15,7 @@ from torch import nn
 
 T = TypeVar("T")
 
-__all__ = ["GraphedLossBackward", "capture"]
+__all__ = ["GraphedLoss", "GraphedLossBackward", "capture"]
 
 
 def capture(fn: Callable[[], T], warmup_steps: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
@@ -37,7 +38,23 @@ def capture(fn: Callable[[], T], warmup_steps: int = 3) -> tuple[torch.cuda.CUDA
     return graph, result
 
 
-class GraphedLossBackward:
+class _ReplayedLoss:
+    """A loss captured for ids of one shape: ``self.ids``, the graph and the loss it writes."""
+
+    ids: torch.Tensor
+    graph: torch.cuda.CUDAGraph
+    loss: torch.Tensor
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [b, n + 1] of the captured shape -> the loss (a 0-dim copy)."""
+        if ids.shape != self.ids.shape:
+            raise ValueError(f"ids must have the captured shape {tuple(self.ids.shape)}, got {tuple(ids.shape)}")
+        self.ids.copy_(ids)
+        self.graph.replay()
+        return self.loss.clone()
+
+
+class GraphedLossBackward(_ReplayedLoss):
     """``model(ids, return_loss=True)`` under bf16 autocast and the backward of
     ``loss * loss_scale``, for ids of ``example_ids``'s shape, replayed from a CUDA graph.
 
@@ -66,10 +83,19 @@ class GraphedLossBackward:
         (loss * self.loss_scale).backward()
         return loss.detach()
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: [b, n + 1] of the captured shape -> the loss (a 0-dim copy)."""
-        if ids.shape != self.ids.shape:
-            raise ValueError(f"ids must have the captured shape {tuple(self.ids.shape)}, got {tuple(ids.shape)}")
-        self.ids.copy_(ids)
-        self.graph.replay()
-        return self.loss.clone()
+
+class GraphedLoss(_ReplayedLoss):
+    """``model(ids, return_loss=True)`` without gradients under bf16 autocast, for ids of
+    ``example_ids``'s shape, replayed from a CUDA graph: a validation pass's batches."""
+
+    def __init__(self, model: nn.Module, example_ids: torch.Tensor, warmup_steps: int = 1):
+        if not example_ids.is_cuda:
+            raise ValueError(f"CUDA graphs need CUDA inputs, got ids on {example_ids.device}")
+        self.model = model
+        self.ids = example_ids.clone()
+        self.graph, self.loss = capture(self._loss, warmup_steps)
+
+    @torch.no_grad()
+    def _loss(self) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            return self.model(self.ids, return_loss=True)

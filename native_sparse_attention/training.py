@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -57,7 +58,7 @@ from native_sparse_attention.data import (
     validation_offsets,
     windows,
 )
-from native_sparse_attention.cuda_graph import GraphedLossBackward
+from native_sparse_attention.cuda_graph import GraphedLoss, GraphedLossBackward
 from native_sparse_attention.transformer import Transformer
 
 __all__ = [
@@ -378,16 +379,20 @@ def train_step(model, optimizer, micro_batches: list[torch.Tensor], grad_clip: f
 
 @torch.no_grad()
 def evaluate(model: Transformer, data: torch.Tensor, offsets: torch.Tensor, config: TrainConfig,
-             device: torch.device) -> float:
-    """Mean loss (nats per byte) over the windows at ``offsets``, summed over all ranks."""
+             device: torch.device, loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    """Mean loss (nats per byte) over the windows at ``offsets``, summed over all ranks;
+    each batch's loss from ``loss(ids)`` where given (a replayed graph), else from the model."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, windows
     for chunk in offsets.split(config.batch_size):
         ids = windows(data, chunk, config.seq_len).to(device)
-        with autocast(device):
-            loss = model(ids, return_loss=True)
-        totals += torch.stack((loss.double() * len(chunk), torch.tensor(len(chunk), device=device)))
+        if loss is not None:
+            batch_loss = loss(ids)
+        else:
+            with autocast(device):
+                batch_loss = model(ids, return_loss=True)
+        totals += torch.stack((batch_loss.double() * len(chunk), torch.tensor(len(chunk), device=device)))
     if dist.is_initialized():
         dist.all_reduce(totals)
     model.train(was_training)
@@ -584,6 +589,7 @@ class Trainer:
             )
         self.no_sync = self.step_model.no_sync if runtime.distributed else None
         self.graphed: GraphedLossBackward | None = None  # captured at the first step
+        self.graphed_validation: GraphedLoss | None = None  # at the first validation pass
         if config.compile:
             self.step_model = torch.compile(self.step_model)
 
@@ -659,6 +665,23 @@ class Trainer:
                      "(--no-cuda-graph skips the attempt)")
             return None
 
+    def _validation_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        """A validation batch's loss, replayed from a graph captured at the first batch
+        (batches of other shapes, and all of them if that capture fails, run eagerly)."""
+        if self.graphed_validation is None and self.cuda_graph:
+            try:
+                self.graphed_validation = GraphedLoss(self.model, ids)
+            except RuntimeError as error:
+                if self.config.cuda_graph:
+                    raise
+                self.log(f"CUDA graph capture of the validation loss failed ({_first_line(error)}): "
+                         "validating eagerly")
+                self.cuda_graph = False  # graphs were only the default: no more captures
+        if self.graphed_validation is not None and ids.shape == self.graphed_validation.ids.shape:
+            return self.graphed_validation(ids)
+        with autocast(ids.device):
+            return self.model(ids, return_loss=True)
+
     def _sample(self, step: int) -> None:
         # Sparse layers on the Triton kernels decode from CUDA graphs too, where the steps do.
         graphed = self.cuda_graph and self.backend == "triton"
@@ -712,7 +735,8 @@ class Trainer:
                     record = dict(step=step, loss=loss, bpb=loss / math.log(2), lr=learning_rate(step, config),
                                   grad_norm=grad_norm)
                     if _due(step, config.val_every) or last:
-                        val_loss = evaluate(self.model, self.val_data, self.val_offsets, config, self.device)
+                        val_loss = evaluate(self.model, self.val_data, self.val_offsets, config, self.device,
+                                            self._validation_loss if self.cuda_graph else None)
                         record.update(val_loss=val_loss, val_bpb=val_loss / math.log(2))
                         self.log(f"step {step}: validation {record['val_bpb']:.4f} bits per byte "
                                  f"(train {record['bpb']:.4f})")

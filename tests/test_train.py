@@ -176,31 +176,43 @@ def test_cuda_graphs_are_the_default_where_they_work():
     assert not possible(training.TrainConfig(backend="flex"), cuda, distributed=False)
 
 
-def test_a_failed_default_capture_falls_back_to_eager_steps(corpus, tmp_path, capsys, monkeypatch):
-    class FailingCapture:
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors ...")
+class FailingCapture:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore lines ...")
 
+
+class EagerStep:
+    """Stands in for the captured training micro-step, which the CPU cannot capture."""
+
+    def __init__(self, model, example_ids, loss_scale):
+        self.model, self.loss_scale = model, loss_scale
+
+    def __call__(self, ids):
+        loss = self.model(ids, return_loss=True)
+        (loss * self.loss_scale).backward()
+        return loss.detach()
+
+
+def test_a_failed_default_capture_falls_back_to_eager_steps(corpus, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(training, "cuda_graph_possible", lambda *args: True)
     monkeypatch.setattr(training, "GraphedLossBackward", FailingCapture)
     assert run_train(corpus, tmp_path / "run", "--steps", "3", "--log-every", "1") == 0
-    assert ("CUDA graph capture failed (operation not permitted when stream is capturing): "
+    assert ("CUDA graph capture failed (CUDA error: operation not permitted when stream is capturing): "
             "training with eager steps") in capsys.readouterr().out
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
 
 
+def test_a_failed_default_validation_capture_validates_eagerly(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(training, "cuda_graph_possible", lambda *args: True)
+    monkeypatch.setattr(training, "GraphedLossBackward", EagerStep)
+    monkeypatch.setattr(training, "GraphedLoss", FailingCapture)
+    assert run_train(corpus, tmp_path / "run", "--steps", "2", "--val-every", "1") == 0
+    assert capsys.readouterr().out.count("CUDA graph capture of the validation loss failed (CUDA error: "
+                                         "operation not permitted when stream is capturing): validating eagerly") == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "val_bpb" in r] == [1, 2]
+
+
 def test_a_failed_default_decoding_capture_samples_eagerly(corpus, tmp_path, capsys, monkeypatch):
-    class EagerStep:
-        """Stands in for the captured micro-step, which the CPU cannot capture."""
-
-        def __init__(self, model, example_ids, loss_scale):
-            self.model, self.loss_scale = model, loss_scale
-
-        def __call__(self, ids):
-            loss = self.model(ids, return_loss=True)
-            (loss * self.loss_scale).backward()
-            return loss.detach()
-
     sample = training.generate_sample
 
     def generate(model, prompt, config, seed, use_cuda_graph=False):
