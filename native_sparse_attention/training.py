@@ -18,8 +18,9 @@ its run directory:
 
 ``--resume`` continues the run from its latest checkpoint: weights, optimizer, data
 order and RNG state, so the losses it logs are those of an uninterrupted run (bit for bit
-on the CPU). Under ``torchrun`` every rank trains on its own data stream with
-DistributedDataParallel; rank 0 logs, samples and saves. Usage errors and unusable data
+on the CPU). Under ``torchrun`` every rank trains on its own data stream, the gradients
+averaged over the ranks (after the replayed steps by one all-reduce, ``flat_gradients``;
+eager steps under DistributedDataParallel); rank 0 logs, samples and saves. Usage errors and unusable data
 end the program with one line on stderr and exit code 2; a loss that stops being finite
 with exit code 1, without checkpointing the broken weights.
 """
@@ -72,6 +73,7 @@ __all__ = [
     "build_optimizer",
     "cuda_graph_possible",
     "evaluate",
+    "flat_gradients",
     "learning_rate",
     "main",
     "resolve_config",
@@ -228,7 +230,7 @@ def _cuda_available() -> bool:
 
 
 def _check_cuda_graph(config: TrainConfig, use_cuda: bool) -> None:
-    """What ``--cuda-graph`` needs, as ``UsageError``s (one GPU is checked at launch)."""
+    """What ``--cuda-graph`` needs, as ``UsageError``s."""
     if not use_cuda:
         raise UsageError("--cuda-graph needs a CUDA device")
     if config.compile:
@@ -237,10 +239,10 @@ def _check_cuda_graph(config: TrainConfig, use_cuda: bool) -> None:
         raise UsageError(f"--cuda-graph runs sparse attention on the triton backend, not --backend {config.backend}")
 
 
-def cuda_graph_possible(config: TrainConfig, device: torch.device, distributed: bool) -> bool:
+def cuda_graph_possible(config: TrainConfig, device: torch.device) -> bool:
     """Whether a run can replay its steps from CUDA graphs: what ``cuda_graph=None`` (the
     default) turns them on for."""
-    return (device.type == "cuda" and not distributed and not config.compile
+    return (device.type == "cuda" and not config.compile
             and (config.attn == "full" or config.backend in (None, "triton")))
 
 
@@ -353,13 +355,16 @@ def autocast(device: torch.device):
 
 
 def train_step(model, optimizer, micro_batches: list[torch.Tensor], grad_clip: float, no_sync=None,
-               graphed: GraphedLossBackward | None = None):
+               graphed: GraphedLossBackward | None = None, grad_buffers: list[torch.Tensor] | None = None):
     """One optimizer step over ``micro_batches`` (ids [b, n + 1] each, on the model's
     device), gradients averaged over them. ``no_sync`` (DDP's) skips the gradient
     all-reduce of all but the last. ``graphed`` replays each micro-batch's forward and
     backward from its CUDA graph (captured with the loss scale 1 / len(micro_batches)).
+    ``grad_buffers`` (``flat_gradients``'s, for a model outside DDP in a distributed run)
+    are averaged over the ranks after the last micro-batch.
     Returns (mean loss, gradient norm before clipping), 0-dim tensors."""
-    optimizer.zero_grad(set_to_none=graphed is None)  # a graph adds into its own buffers
+    # A graph adds into its own gradient buffers, and flat buffers are views: both stay.
+    optimizer.zero_grad(set_to_none=graphed is None and grad_buffers is None)
     total = 0.0
     for index, ids in enumerate(micro_batches):
         if graphed is not None:
@@ -371,10 +376,37 @@ def train_step(model, optimizer, micro_batches: list[torch.Tensor], grad_clip: f
                 loss = model(ids, return_loss=True)
             (loss / len(micro_batches)).backward()
         total = total + loss.detach().float()
+    if grad_buffers is not None:
+        for buffer in grad_buffers:
+            dist.all_reduce(buffer)
+            buffer.div_(dist.get_world_size())
     max_norm = grad_clip if grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     return total / len(micro_batches), grad_norm
+
+
+def flat_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Gives each parameter of ``model`` that requires a gradient a zero ``.grad`` viewing
+    one flat buffer per dtype, and returns the buffers: a replayed graph's backward adds
+    into the views, and one all-reduce per buffer averages a step's gradients over the
+    ranks, which DistributedDataParallel cannot do for a graph (its hooks run at capture
+    only). Each view starts on a 16-byte boundary, as fused optimizers' vector loads want."""
+    parameters: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameters.setdefault(parameter.dtype, []).append(parameter)
+    buffers = []
+    for dtype, group in parameters.items():
+        align = max(1, 16 // group[0].element_size())
+        sizes = [-(-parameter.numel() // align) * align for parameter in group]
+        buffer = torch.zeros(sum(sizes), dtype=dtype, device=group[0].device)
+        offset = 0
+        for parameter, size in zip(group, sizes):
+            parameter.grad = buffer[offset:offset + parameter.numel()].view_as(parameter)
+            offset += size
+        buffers.append(buffer)
+    return buffers
 
 
 @torch.no_grad()
@@ -548,14 +580,12 @@ class Trainer:
         from tqdm.auto import tqdm
 
         self.runtime, self.run_dir = runtime, run_dir
-        if config.cuda_graph and runtime.distributed:
-            raise UsageError("--cuda-graph trains on one GPU; run train.py without torchrun")
         # Eager steps of short sequences wait on Python launching the kernels (on an H100 the
         # enwik8 preset's step takes 54.7 ms eagerly, 10.0 ms replayed), so graphs are the
         # default wherever they work; a failed capture then falls back to eager steps.
         self.cuda_graph = config.cuda_graph
         if self.cuda_graph is None:
-            self.cuda_graph = cuda_graph_possible(config, runtime.device, runtime.distributed)
+            self.cuda_graph = cuda_graph_possible(config, runtime.device)
         self.device, self.is_main = runtime.device, runtime.is_main
         self.log = tqdm.write if self.is_main else (lambda message: None)
         self.plotting = importlib.util.find_spec("matplotlib") is not None
@@ -582,12 +612,18 @@ class Trainer:
         self.done_sampler_state = self.sampler.state_dict()
         self._write_run_files(corpus, resume)
 
-        self.step_model = self.model
-        if runtime.distributed:
+        self.step_model, self.no_sync, self.grad_buffers = self.model, None, None
+        if runtime.distributed and self.cuda_graph:
+            # Graphed steps average their gradients themselves (flat_gradients), from the
+            # same weights on every rank, as DistributedDataParallel would broadcast them.
+            for parameter in self.model.parameters():
+                dist.broadcast(parameter.data, src=0)
+            self.grad_buffers = flat_gradients(self.model)
+        elif runtime.distributed:
             self.step_model = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        self.no_sync = self.step_model.no_sync if runtime.distributed else None
+            self.no_sync = self.step_model.no_sync
         self.graphed: GraphedLossBackward | None = None  # captured at the first step
         self.graphed_validation: GraphedLoss | None = None  # at the first validation pass
         if config.compile:
@@ -640,7 +676,7 @@ class Trainer:
         if self.cuda_graph and self.graphed is None:
             self.graphed = self._capture(micro_batches[0], 1 / len(micro_batches))
         loss, grad_norm = train_step(self.step_model, self.optimizer, micro_batches, self.config.grad_clip,
-                                     self.no_sync, self.graphed)
+                                     self.no_sync, self.graphed, self.grad_buffers)
         stats = torch.stack((loss, torch.tensor(float(stop.signum is not None), device=self.device)))
         if self.runtime.distributed:
             dist.all_reduce(stats)

@@ -152,6 +152,30 @@ def test_cuda_graph_steps_match_eager_ones(attn, corpus, tmp_path):
     assert math.isclose(graph[-1]["val_bpb"], eager[-1]["val_bpb"], rel_tol=2e-3), (graph[-1], eager[-1])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_torchrun_replays_graphed_steps_like_ddp_on_two_gpus(corpus, tmp_path):
+    """Under torchrun the steps replay from CUDA graphs too, their gradients averaged by
+    one all-reduce; the losses follow DistributedDataParallel's eager steps."""
+    flags = ("--device", "cuda", "--compress-block", "16", "--compress-stride", "8", "--selection-block", "16",
+             "--steps", "12", "--grad-accum", "2", "--log-every", "1", "--val-every", "12", "--sample-every", "12",
+             "--checkpoint-every", "12")
+    for run, extra in (("ddp", ("--no-cuda-graph",)), ("graph", ())):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   str(REPO_ROOT / "train.py"), *SMALL_MODEL, *flags, *extra, "--data", str(corpus),
+                   "--run-dir", str(tmp_path / run)]
+        result = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        run_info = json.loads((tmp_path / run / "config.json").read_text())["run"]
+        assert run_info["world_size"] == 2 and run_info["cuda_graph"] is (run == "graph")
+    ddp, graph = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "graph")
+    assert graph[0]["loss"] > graph[-1]["loss"] + 0.5
+    for eager_record, graph_record in zip(ddp, graph):
+        assert math.isclose(graph_record["loss"], eager_record["loss"], rel_tol=2e-3), (eager_record, graph_record)
+    assert math.isclose(graph[-1]["val_bpb"], ddp[-1]["val_bpb"], rel_tol=2e-3)
+
+
 def test_cuda_graph_refuses_what_it_cannot_capture():
     check = training._check_cuda_graph
     with pytest.raises(training.UsageError, match="needs a CUDA device"):
@@ -167,13 +191,24 @@ def test_cuda_graph_refuses_what_it_cannot_capture():
 def test_cuda_graphs_are_the_default_where_they_work():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     possible = training.cuda_graph_possible
-    assert possible(training.TrainConfig(), cuda, distributed=False)
-    assert possible(training.TrainConfig(backend="triton"), cuda, distributed=False)
-    assert possible(training.TrainConfig(attn="full"), cuda, distributed=False)
-    assert not possible(training.TrainConfig(), cpu, distributed=False)
-    assert not possible(training.TrainConfig(), cuda, distributed=True)
-    assert not possible(training.TrainConfig(compile=True), cuda, distributed=False)
-    assert not possible(training.TrainConfig(backend="flex"), cuda, distributed=False)
+    assert possible(training.TrainConfig(), cuda)
+    assert possible(training.TrainConfig(backend="triton"), cuda)
+    assert possible(training.TrainConfig(attn="full"), cuda)
+    assert not possible(training.TrainConfig(), cpu)
+    assert not possible(training.TrainConfig(compile=True), cuda)
+    assert not possible(training.TrainConfig(backend="flex"), cuda)
+
+
+def test_flat_gradients_view_one_aligned_buffer_per_dtype():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2, bias=False))
+    model[0].bias.requires_grad_(False)
+    (buffer,) = training.flat_gradients(model)
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert model[0].bias.grad is None and buffer.numel() == 16 + 12  # 15 -> 16 and 10 -> 12 floats
+    assert all(g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for g in grads)
+    assert all(g.data_ptr() % 16 == 0 and not g.any() for g in grads)
+    model(torch.ones(4, 3)).sum().backward()
+    assert buffer.abs().sum() > 0 and all(g.abs().sum() > 0 for g in grads)  # backward added into the views
 
 
 class FailingCapture:
@@ -268,6 +303,64 @@ def test_torchrun_trains_with_two_cpu_ranks(corpus, tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["run"]["world_size"] == 2 and config["run"]["tokens_per_step"] == 2 * 2 * 4 * 64
     assert checkpoint_step(latest_checkpoint(run_dir)) == 3
+
+
+GRADIENT_AVERAGING_SCRIPT = """
+import torch
+import torch.distributed as dist
+
+from native_sparse_attention import training
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+config = training.TrainConfig(dim=32, depth=1, heads=2, dim_head=16, kv_heads=1, seq_len=32, sliding_window=8,
+                              compress_block=8, compress_stride=4, selection_block=8, num_selected=2)
+
+
+def build():
+    torch.manual_seed(0)
+    model = training.build_model(config, "pytorch")
+    return model, training.build_optimizer(model, config)
+
+
+class EagerStep:
+    def __init__(self, model, loss_scale):
+        self.model, self.loss_scale = model, loss_scale
+
+    def __call__(self, ids):
+        loss = self.model(ids, return_loss=True)
+        (loss * self.loss_scale).backward()
+        return loss.detach()
+
+
+ddp_model, ddp_optimizer = build()
+ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+flat_model, flat_optimizer = build()
+buffers = training.flat_gradients(flat_model)
+start = [p.detach().clone() for p in flat_model.parameters()]
+generator = torch.Generator().manual_seed(rank)
+for _ in range(2):
+    batches = [torch.randint(0, 256, (2, 33), generator=generator) for _ in range(2)]
+    training.train_step(ddp, ddp_optimizer, batches, 1.0, ddp.no_sync)
+    training.train_step(flat_model, flat_optimizer, batches, 1.0, graphed=EagerStep(flat_model, 0.5),
+                        grad_buffers=buffers)
+difference = max((a - b).abs().max().item() for a, b in zip(ddp_model.parameters(), flat_model.parameters()))
+moved = max((a - b).abs().max().item() for a, b in zip(start, flat_model.parameters()))
+print(f"rank {rank}: difference {difference:.3g}, moved {moved:.3g}")
+assert difference < 1e-6 < moved, (difference, moved)
+"""
+
+
+def test_graphed_steps_average_gradients_over_ranks_as_ddp_does(tmp_path):
+    """Under torchrun, graphed steps (here an eager stand-in) average their gradients with
+    one all-reduce per flat buffer: two steps of two micro-batches on two CPU ranks end at
+    DistributedDataParallel's weights."""
+    script = tmp_path / "average.py"
+    script.write_text(GRADIENT_AVERAGING_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    result = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("difference") == 2
 
 
 def test_divergence_stops_without_checkpointing_the_broken_weights(corpus, tmp_path, monkeypatch, capsys):
