@@ -20,9 +20,9 @@ its run directory:
 order and RNG state, so the losses it logs are those of an uninterrupted run (bit for bit
 on the CPU). Under ``torchrun`` every rank trains on its own data stream, the gradients
 averaged over the ranks (after the replayed steps by one all-reduce, ``flat_gradients``;
-eager steps under DistributedDataParallel); rank 0 logs, samples and saves. Usage errors and unusable data
-end the program with one line on stderr and exit code 2; a loss that stops being finite
-with exit code 1, without checkpointing the broken weights.
+eager steps under DistributedDataParallel); rank 0 logs, samples and saves. Usage errors
+and unusable data end the program with one line on stderr and exit code 2; a loss that
+stops being finite with exit code 1, without checkpointing the broken weights.
 """
 
 from __future__ import annotations
@@ -131,9 +131,10 @@ class TrainConfig:
     weight_decay: float = _setting(0.1, "AdamW weight decay of the weight matrices", float, 0.0)
     grad_clip: float = _setting(1.0, "gradient-norm clipping threshold (0: no clipping)", float, 0.0)
     compile: bool = _setting(False, "torch.compile the model", bool)
-    cuda_graph: bool | None = _setting(None, "replay each micro-batch's forward and backward from a CUDA graph "
-                                              "(one GPU; Triton backend or full attention; default: wherever "
-                                              "those hold and --compile is off)", bool)
+    cuda_graph: bool | None = _setting(None, "replay each micro-batch's forward and backward, the validation "
+                                              "batches and the samples' decoding steps from CUDA graphs (CUDA, "
+                                              "the triton backend or full attention, no --compile; default: "
+                                              "on wherever those hold)", bool)
     data: str | None = _setting(None, "enwik8 (downloaded to data/enwik8.gz when missing), stdlib (the Python "
                                       "standard library's source) or a path to any file of bytes, plain or "
                                       ".gz (default: enwik8, or stdlib when it cannot be downloaded)", str)
