@@ -6,7 +6,7 @@ heads of dim 64, sliding window 64, compression 16 / stride 8, selection blocks 
 selected) taking whole training steps (``training.train_step``: bf16 autocast, forward,
 backward, gradient clipping, fused AdamW) on random bytes, with the batch sized so every
 step holds 8192 tokens, launched eagerly (``train.py --no-cuda-graph``) and with the
-forward and backward replayed from a CUDA graph (``train.py``'s default on one GPU).
+forward and backward replayed from a CUDA graph (``train.py``'s default on CUDA).
 tokens/s comes from the median step time (CUDA events).
 
 With ``--runs``, the section also lists ``train.py`` runs: validation bits per byte at the
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         f"window 64, compression 16 / stride 8, selection blocks 16, 4 selected) taking whole training "
         f"steps (bf16 autocast, forward, backward, clipping, fused AdamW) with {TOKENS_PER_STEP} tokens "
         f"per step, launched eagerly (`train.py --no-cuda-graph`) or with each forward and backward replayed "
-        f"from a CUDA graph (`train.py`'s default on one GPU); median step time over CUDA events; peak is "
+        f"from a CUDA graph (`train.py`'s default on CUDA); median step time over CUDA events; peak is "
         f"`torch.cuda.max_memory_allocated` over the first two steps (the graph's capture included), "
         f"weights and optimizer state included.",
         "",
