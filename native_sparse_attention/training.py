@@ -40,6 +40,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,7 @@ __all__ = [
 ATTENTIONS = ("sparse", "full")
 BACKENDS = ("triton", "flex", "pytorch")
 NUM_TOKENS = 256  # bytes
+T = TypeVar("T")
 MIN_LR_RATIO = 0.1  # where the cosine schedule ends, relative to --lr
 
 
@@ -689,47 +691,43 @@ class Trainer:
         self.done_step, self.done_sampler_state = step, self.sampler.state_dict()
         return loss_value, grad_norm_value, stats[1].item() > 0
 
-    def _capture(self, example_ids: torch.Tensor, loss_scale: float) -> GraphedLossBackward | None:
-        """The micro-step's graph; where graphs were only the default, None (eager steps
-        from then on) if the capture fails."""
+    def _try_graph(self, capture: Callable[[], T], what: str, instead: str) -> T | None:
+        """``capture()``, which captures a CUDA graph. Where graphs were only the default and
+        it fails, None after one line (the capture of ``what`` failed, ``instead`` goes on),
+        and no more captures in this run."""
         try:
-            return GraphedLossBackward(self.model, example_ids, loss_scale)
+            return capture()
         except RuntimeError as error:
             if self.config.cuda_graph:
                 raise
+            self.log(f"CUDA graph capture{what} failed ({_first_line(error)}): {instead}")
             self.cuda_graph = False
-            self.log(f"CUDA graph capture failed ({_first_line(error)}): training with eager steps "
-                     "(--no-cuda-graph skips the attempt)")
             return None
+
+    def _capture(self, example_ids: torch.Tensor, loss_scale: float) -> GraphedLossBackward | None:
+        return self._try_graph(lambda: GraphedLossBackward(self.model, example_ids, loss_scale), "",
+                               "training with eager steps (--no-cuda-graph skips the attempt)")
 
     def _validation_loss(self, ids: torch.Tensor) -> torch.Tensor:
         """A validation batch's loss, replayed from a graph captured at the first batch
         (batches of other shapes, and all of them if that capture fails, run eagerly)."""
         if self.graphed_validation is None and self.cuda_graph:
-            try:
-                self.graphed_validation = GraphedLoss(self.model, ids)
-            except RuntimeError as error:
-                if self.config.cuda_graph:
-                    raise
-                self.log(f"CUDA graph capture of the validation loss failed ({_first_line(error)}): "
-                         "validating eagerly")
-                self.cuda_graph = False  # graphs were only the default: no more captures
+            self.graphed_validation = self._try_graph(lambda: GraphedLoss(self.model, ids),
+                                                      " of the validation loss", "validating eagerly")
         if self.graphed_validation is not None and ids.shape == self.graphed_validation.ids.shape:
             return self.graphed_validation(ids)
         with autocast(ids.device):
             return self.model(ids, return_loss=True)
 
     def _sample(self, step: int) -> None:
+        seed = self.config.seed + step
+        text = None
         # Sparse layers on the Triton kernels decode from CUDA graphs too, where the steps do.
-        graphed = self.cuda_graph and self.backend == "triton"
-        try:
-            text = generate_sample(self.model, self.prompt, self.config, self.config.seed + step, graphed)
-        except RuntimeError as error:
-            if not graphed or self.config.cuda_graph:
-                raise
-            self.log(f"CUDA graph capture of a decoding step failed ({_first_line(error)}): sampling eagerly")
-            self.cuda_graph = False  # graphs were only the default: no more captures
-            text = generate_sample(self.model, self.prompt, self.config, self.config.seed + step)
+        if self.cuda_graph and self.backend == "triton":
+            text = self._try_graph(lambda: generate_sample(self.model, self.prompt, self.config, seed, True),
+                                   " of a decoding step", "sampling eagerly")
+        if text is None:
+            text = generate_sample(self.model, self.prompt, self.config, seed)
         prompt_text = bytes(self.prompt.tolist()).decode("utf-8", errors="replace")
         self.log(f"step {step} sample:\n{prompt_text}\u2502{text}")
         with (self.run_dir / "samples.txt").open("a") as file:
