@@ -238,6 +238,23 @@ CASES = {
     "window_tiles_non_causal_group3": Case(hq=3, hk=1, n=30, d=16, num_slots=2, causal=False, window=7,
                                            launch=(("window_rows", 32), ("window_n", 16),
                                                    ("window_dq_rows", 16), ("window_dq_n", 32))),
+    # The selection's dQ added by the dK / dV pass: with the window's dQ pass adding the
+    # rest, without a window (the host scales and casts), over chunks of 3 entries and
+    # fine tiles, per query head, non-causal, and with sel_scale (which keeps the dQ pass).
+    "atomic_dq_group3_d48_sliding": Case(hq=6, hk=2, n=37, d=48, window=20, sel_scale=False,
+                                         launch=(("atomic_dq", True),)),
+    "atomic_dq_block32_fine16_chunks": Case(hq=2, hk=1, n=40, d=16, block_size=32, num_slots=2, sel_scale=False,
+                                            launch=(("atomic_dq", True), ("fine_n", 16), ("dkv_chunk", 3),
+                                                    ("dkv_rows", 16))),
+    "atomic_dq_non_causal_sliding_per_head": Case(hq=2, hk=1, n=29, d=16, causal=False, window=6,
+                                                  per_query_head=True, sel_scale=False,
+                                                  launch=(("atomic_dq", True),)),
+    "atomic_dq_fp16_strided_sliding": Case(b=2, hq=4, hk=2, n=35, d=32, num_slots=2, window=11, sel_scale=False,
+                                           dtype=torch.float16, heads_last=True, launch=(("atomic_dq", True),)),
+    "atomic_dq_with_sel_scale": Case(hq=4, hk=2, n=30, d=16, num_slots=2, window=7,
+                                     launch=(("atomic_dq", True),)),
+    "query_major_dq_group2_sliding_no_sel_scale": Case(hq=4, hk=2, n=37, d=16, num_slots=2, window=9,
+                                                       sel_scale=False, launch=(("atomic_dq", False),)),
 }
 
 
@@ -246,6 +263,13 @@ def test_matches_reference(case, monkeypatch):
     empty = check_against_reference(case, monkeypatch=monkeypatch)
     if not case.causal:
         assert empty.any(), "the matrix must contain rows without keys"
+
+
+def test_small_groups_take_dq_from_the_dkv_pass():
+    for shared_heads, atomic in ((1, True), (4, True), (8, True), (16, False), (32, False)):
+        for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)):
+            config = selection_kernels.default_launch_config(64, head_dim, dtype, True, shared_heads=shared_heads)
+            assert config.atomic_dq is atomic, (shared_heads, dtype, head_dim)
 
 
 # case, q_offset: the last n - q_offset queries of the case, as a decoding step (one query)
@@ -498,6 +522,11 @@ GPU_CASES = {
     # The layer benchmark's heads: two entries of 16 rows per dK / dV step.
     "group16_d64_sliding_fp16": Case(hq=32, hk=2, n=4096, d=64, block_size=64, num_slots=16, window=512,
                                      dtype=torch.float16),
+    # Groups of at most 8 without sel_scale: the dK / dV pass adds dQ (the default there).
+    "atomic_dq_group4_d128_sliding_bf16": Case(hq=16, hk=4, n=4096, d=128, block_size=64, num_slots=16,
+                                               window=512, sel_scale=False, dtype=torch.bfloat16),
+    "atomic_dq_group8_d64_fp16_strided": Case(b=2, hq=16, hk=2, n=4100, d=64, block_size=64, num_slots=16,
+                                              sel_scale=False, dtype=torch.float16, heads_last=True),
 }
 
 

@@ -143,7 +143,16 @@ def backward_rows(
 
 @triton.jit
 def dkv_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv, DOT_PRECISION: tl.constexpr):
-    """dK, dV of a [BLOCK_N, D_PAD] key tile through a [M, D_PAD] tile of query rows.
+    """dK, dV of a [BLOCK_N, D_PAD] key tile through a [M, D_PAD] tile of query rows
+    (``dkv_ds_tile`` without its dS)."""
+    dk, dv, _ = dkv_ds_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def dkv_ds_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv, DOT_PRECISION: tl.constexpr):
+    """dK, dV of a [BLOCK_N, D_PAD] key tile through a [M, D_PAD] tile of query rows, and
+    the tile's transposed score gradient dS^T [BLOCK_N, M] (float32, times ``ds_scale``).
 
     ``visible``: [BLOCK_N, M]; ``lse2``, ``delta``, ``logit_scale``, ``ds_scale``: [M],
     per query row (the last two may be scalars). Works on the transposed scores
@@ -158,4 +167,4 @@ def dkv_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv, D
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :]) * ds_scale
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
-    return dk, dv
+    return dk, dv, ds_t

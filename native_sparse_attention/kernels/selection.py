@@ -92,11 +92,16 @@ launches, where a backward will follow), and
   that L2 holds where whole q and dO tensors may not (at 32 heads on 2 kv heads, d = 64
   and n = 65536, 5.00 -> 4.58 ms on an H100). Ordering the entries themselves by query
   phase did not pay: it cuts chunks short, and the atomic adds grow with their number.
-  Nor did computing dQ here as well, which would spare ``_dq_kernel``'s second gather of
-  the keys and values: a fifth dot per step plus a float32 atomic add of each entry's dQ
-  rows made the pass 4.05 ms slower at the same configuration, close to the 4.5 ms that
-  ``_dq_kernel`` takes, and packing the adds four to an instruction
-  (``red.global.add.v4.f32``) did not change that.
+  Computing dQ here as well (``ATOMIC_DQ``, ``LaunchConfig.atomic_dq``) spares
+  ``_dq_kernel``'s second gather of the keys and values for a fifth dot per step and a
+  float32 atomic add of each entry's dQ rows. The gather reads a kv head's blocks once
+  for all the heads of its selection, the adds are per query head: at 32 heads on 2 kv
+  heads (groups of 16), d = 64, n = 65536 the adds made the pass 4.05 ms slower, close to
+  the 4.5 ms that ``_dq_kernel`` takes (``red.global.add.v4.f32``, four adds to an
+  instruction, did not change that), while for groups of 8 and fewer they pay
+  (``default_launch_config``). ``_dq_kernel`` then only leaves delta and ROW_STATS and
+  zeroes the float32 dQ buffer, and ``window_dq_kernel``, run after this pass, adds the
+  window's dQ to it and writes dQ.
 
 With a window, ``window_dkv_kernel`` then adds these float32 accumulators to the window's
 dK / dV and writes both in the input dtype; without one, the host casts them.
@@ -125,7 +130,7 @@ from native_sparse_attention.kernels.attention_tiles import (
     LOG2E,
     backward_rows,
     dense_rows,
-    dkv_tile,
+    dkv_ds_tile,
     dq_tile,
     load_tile,
     program_heads,
@@ -144,6 +149,9 @@ __all__ = ["LaunchConfig", "default_launch_config", "selection_attention", "sele
 
 MIN_ROWS = 16  # tl.dot needs M, N and K of at least 16
 FEW_QUERIES = 16  # forwards of at most this many queries: see default_launch_config
+# Selections shared by at most this many query heads take their dQ from the dK / dV pass
+# (LaunchConfig.atomic_dq; measured in default_launch_config's docstring).
+ATOMIC_DQ_MAX_SHARED_HEADS = 8
 # Memory layouts of the [Z, HQ, N, D] rows that _dkv_kernel gathers (see _gathered_rows).
 ROWS_STRIDED = tl.constexpr(0)
 ROWS_HEADS_MAJOR = tl.constexpr(1)  # contiguous [Z, HQ, N, D]
@@ -309,7 +317,7 @@ def _dq_kernel(
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, SLIDING: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, SLIDING: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """dQ, dsel_scale and delta (also into ROW_STATS, with the base-2 LSE) of the
@@ -321,14 +329,16 @@ def _dq_kernel(
     float32), the accumulators that ``_dkv_kernel`` adds to next, which spares a fill
     kernel (0.02 ms at 2 kv heads, d = 64, n = 65536 on an H100) for stores the pass
     hides: it took 4.44-4.48 against 4.45-4.46 ms there, 0.529-0.531 against
-    0.525-0.531 ms at 8192."""
-    TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
+    0.525-0.531 ms at 8192.
+
+    ATOMIC_DQ: ``_dkv_kernel`` adds the selection's dQ instead; this program only leaves
+    delta and ROW_STATS, zeroes the accumulators, its rows of DQ ([Z, HQ, N, D] float32)
+    among them, and walks no keys."""
     i = tl.program_id(0)
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     rows = tl.arange(0, ROWS)
     heads = first_head + rows
     row_ok = rows < SEL_SHARED_HEADS
-    offs_n = tl.arange(0, FINE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     q, do, delta, lse2, out_rows = backward_rows(
@@ -336,6 +346,32 @@ def _dq_kernel(
         stride_doz, stride_doh, stride_don, stride_dod, N, HQ, D, D_PAD,
     )
     tl.store(ROW_STATS + _row_stats_offsets(z, heads, i, N, HQ), tl.join(lse2, delta), mask=row_ok[:, None])
+    if ATOMIC_DQ:
+        tl.store(DQ + out_rows[:, None] + offs_d[None, :], tl.zeros([ROWS, D_PAD], tl.float32),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        _selection_dq(K_TILES, V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DQ_WINDOW, q, do, lse2, delta, out_rows,
+                      z, sel_head, kv_head, i, row_ok, offs_d, d_ok, N, HS, sm_scale, SEL, NUM_SETS, SETS_PAD,
+                      BLOCK_SIZE, FINE_N, ROWS, D_PAD, CAUSAL, HAS_SEL_SCALE, SLIDING, DOT_PRECISION)
+    if first_head % GQA_SHARED_HEADS == 0:  # one program per (z, kv head, position)
+        acc_row = dense_rows(z, kv_head, i, HQ // GQA_SHARED_HEADS, N, D)
+        zeros = tl.zeros([D_PAD], tl.float32)
+        tl.store(DK_ACC + acc_row + offs_d, zeros, mask=d_ok)
+        tl.store(DV_ACC + acc_row + offs_d, zeros, mask=d_ok)
+
+
+@triton.jit
+def _selection_dq(
+    K_TILES, V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, DQ, DSEL, DQ_WINDOW, q, do, lse2, delta, out_rows,
+    z, sel_head, kv_head, i, row_ok, offs_d, d_ok, N, HS, sm_scale,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
+    ROWS: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``_dq_kernel``'s walk over the key sets of query ``i``: dQ (plus the window's from
+    DQ_WINDOW with SLIDING) into DQ, dsel_scale into DSEL."""
+    TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
+    offs_n = tl.arange(0, FINE_N)
     sel_row = ((z.to(tl.int64) * HS + sel_head) * N + i) * SEL
     scale2 = sm_scale * LOG2E
 
@@ -364,11 +400,6 @@ def _dq_kernel(
     if SLIDING:
         dq += load_tile(DQ_WINDOW, out_rows, row_ok, offs_d, d_ok, 1)
     tl.store(DQ + out_rows[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if first_head % GQA_SHARED_HEADS == 0:  # one program per (z, kv head, position)
-        acc_row = dense_rows(z, kv_head, i, HQ // GQA_SHARED_HEADS, N, D)
-        zeros = tl.zeros([D_PAD], tl.float32)
-        tl.store(DK_ACC + acc_row + offs_d, zeros, mask=d_ok)
-        tl.store(DV_ACC + acc_row + offs_d, zeros, mask=d_ok)
 
 
 @triton.jit
@@ -517,17 +548,19 @@ def _row_stats_offsets(z, head, i, N, HQ):
 
 @triton.jit
 def _dkv_step(
-    Q, DO, ROW_STATS, SEL_SCALE, chunk_entries, start, e0, end, rows, z, pos, k, v, dk, dv,
+    Q, DO, ROW_STATS, SEL_SCALE, DQ_ACC, chunk_entries, start, e0, end, rows, z, pos, k, v, dk, dv,
     stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don, stride_dod,
     N, HQ, HS, sm_scale, scale2, offs_d, d_ok,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr,
     D: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the key tile at ``pos`` through the entries ``[e0, e0 + len(rows) //
     ROWS_PER_ENTRY)`` (clipped at ``end``). Without MASKED every key of the tile must be
     visible to every entry's query: rows past ``end`` load zeros and an infinite LSE, so
-    they add nothing, and keys past N accumulate into rows that are never stored."""
+    they add nothing, and keys past N accumulate into rows that are never stored.
+    ATOMIC_DQ (never with HAS_SEL_SCALE): also adds the rows' dQ through these keys,
+    without sm_scale, to DQ_ACC [Z, HQ, N, D] float32."""
     i, head, slot_offset, row_ok = _entry_rows(chunk_entries, start, e0, end, rows, z, N, HS, SEL, NUM_SETS,
                                                SEL_SHARED_HEADS, ROWS_PER_ENTRY)
     lse_rows = (z.to(tl.int64) * HQ + head) * N + i
@@ -550,14 +583,18 @@ def _dkv_step(
         visible = pos[:, None] <= tl.where(row_ok, i, -1)[None, :]
     else:
         visible = True  # the select on a constant folds away
-    return dkv_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv,
-                    DOT_PRECISION)
+    dk, dv, ds_t = dkv_ds_tile(k, v, q, do, lse2, delta, visible, logit_scale, ds_scale, dk, dv, DOT_PRECISION)
+    if ATOMIC_DQ:
+        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
+        tl.atomic_add(DQ_ACC + lse_rows[:, None] * D + offs_d[None, :], dq, mask=row_ok[:, None] & d_ok[None, :],
+                      sem="relaxed")
+    return dk, dv
 
 
 @triton.jit
 def _dkv_kernel(
     Q, K, V, DO, ROW_STATS, SEL_SCALE, ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, CHUNK_ORDER,
-    DK_ACC, DV_ACC,
+    DK_ACC, DV_ACC, DQ_ACC,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -567,7 +604,7 @@ def _dkv_kernel(
     SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr,
     CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, CHUNKS_ORDERED: tl.constexpr,
-    Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the selection for one fine tile of one key block, from one chunk of the
     entries that attend the block, added to the float32 accumulators.
@@ -585,7 +622,8 @@ def _dkv_kernel(
     waited for every copy in flight at the top of each step (CHUNK_PAD: CHUNK rounded up
     to a power of two).
     Q_ROWS, DO_ROWS: the memory layouts of q and dO (ROWS_*). CHUNKS_ORDERED: program p
-    takes chunk CHUNK_ORDER[p], else chunk p (``_KeyBlockEntries``)."""
+    takes chunk CHUNK_ORDER[p], else chunk p (``_KeyBlockEntries``). ATOMIC_DQ: the steps
+    also add their rows' dQ to DQ_ACC (``_dkv_step``)."""
     chunk = tl.load(CHUNK_ORDER + tl.program_id(0)) if CHUNKS_ORDERED else tl.program_id(0)
     key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
     if key < NUM_KEYS:  # else a spare program past the last chunk
@@ -616,19 +654,19 @@ def _dkv_kernel(
         dk = tl.zeros([FINE_N, D_PAD], tl.float32)
         dv = tl.zeros([FINE_N, D_PAD], tl.float32)
         for e0 in range(start, unmasked, STEP):
-            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, chunk_entries, start, e0, end, tl.arange(0, M), z, pos, k,
-                               v, dk, dv,
+            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, DQ_ACC, chunk_entries, start, e0, end, tl.arange(0, M),
+                               z, pos, k, v, dk, dv,
                                stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
                                stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
                                SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, True,
-                               DOT_PRECISION)
+                               ATOMIC_DQ, DOT_PRECISION)
         for e0 in range(start + tl.cdiv(unmasked - start, STEP) * STEP, end, STEP):
-            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, chunk_entries, start, e0, end, tl.arange(0, M), z, pos, k,
-                               v, dk, dv,
+            dk, dv = _dkv_step(Q, DO, ROW_STATS, SEL_SCALE, DQ_ACC, chunk_entries, start, e0, end, tl.arange(0, M),
+                               z, pos, k, v, dk, dv,
                                stride_qz, stride_qh, stride_qn, stride_qd, stride_doz, stride_doh, stride_don,
                                stride_dod, N, HQ, HS, sm_scale, scale2, offs_d, d_ok, SEL, NUM_SETS,
                                SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE, Q_ROWS, DO_ROWS, False,
-                               DOT_PRECISION)
+                               ATOMIC_DQ, DOT_PRECISION)
         if not HAS_SEL_SCALE:
             dk *= sm_scale
         acc = dense_rows(z, kv_head, pos, HKV, N, D)[:, None] + offs_d[None, :]
@@ -659,6 +697,10 @@ class LaunchConfig:
     rows per step (at least the kv head's query heads, padded to a power of two).
     ``dkv_max_registers``: a cap on ``_dkv_kernel``'s registers per thread (None: the
     compiler's choice), which sets how many of its programs an SM holds.
+    ``atomic_dq``: the backward computes the selection's dQ in the key-major dK / dV pass,
+    adding each entry's rows atomically to a float32 buffer, instead of in a query-major
+    pass that gathers every selected block's keys and values again (only without
+    sel_scale; see ``default_launch_config``).
     """
 
     fine_n: int = 64
@@ -684,6 +726,7 @@ class LaunchConfig:
     window_block_m: int = 64
     window_warps: int = 4
     window_stages: int = 2
+    atomic_dq: bool = False
 
 
 def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sliding: bool = False,
@@ -733,7 +776,22 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     float32 tiles are twice as wide: they keep two warps (at n = 4096 the forward takes
     1.5x as long on one), and at every d the window's dK / dV takes 32-key, 32-row steps
     (the 64 x 64 ones spill: 84 -> 3.2 ms at d = 64, n = 4096; 99 -> 3.8 ms at d = 128,
-    n = 2048)."""
+    n = 2048).
+
+    Selections shared by at most ATOMIC_DQ_MAX_SHARED_HEADS query heads take their dQ from
+    the dK / dV pass (``atomic_dq``; with sel_scale the dQ pass stays). The op's forward +
+    backward on random causal selections (16 blocks of 64, bf16, H100), dQ pass against
+    atomic dQ, without / with a window of 512, n = 32768 (8192): 16 heads on 4 kv heads,
+    d = 64: 9.03 -> 6.06 / 10.15 -> 7.08 ms (1.96 -> 1.99 / 2.27 -> 2.23); 32 on 8, d = 64:
+    18.0 -> 12.1 / 20.2 -> 14.0 ms (3.83 -> 2.56 / 4.47 -> 3.08); 32 on 8, d = 128: 39.1 ->
+    27.8 / 42.8 -> 31.1 ms (8.88 -> 6.54 / 9.93 -> 7.42), then 28.5 ms with a window in the
+    16-row dK / dV steps it now takes at d = 128 (32-row steps 31.4, 64-row 32.4-34.1,
+    eight warps 31.8-35.7); groups of 8: 32 on 4, d = 64: 9.79 -> 8.22 / 11.8 -> 9.89 ms
+    (2.12 -> 2.10 / 2.66 -> 2.11); 16 on 2, d = 128: 10.2 -> 9.42 / 11.9 -> 10.8 ms (2.36 ->
+    2.04 / 2.82 -> 2.40). Groups of 16 lose: 32 on 2, d = 64: 5.53 -> 7.07 / 7.49 -> 8.63
+    ms; 64 on 4, d = 128: 23.0 -> 23.3 / 30.5 -> 28.9 ms, but 5.22 -> 6.52 / 6.88 -> 7.82 at
+    8192. The gradients of the two ways differ by 1e-4 to 3e-3 of their largest entry,
+    bf16's rounding."""
     if queries is not None and queries <= FEW_QUERIES:
         config = default_launch_config(block_size, head_dim, dtype, sliding, shared_heads)
         config = replace(config, window_fwd_warps=None, window_rows=MIN_ROWS)
@@ -741,14 +799,16 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
             return replace(config, fwd_warps=4, fwd_stages=3, window_n=128)
         return replace(config, window_n=64 if dtype.itemsize == 2 else 32)
     dkv_rows = 32 if shared_heads > 8 else 16
+    atomic_dq = shared_heads <= ATOMIC_DQ_MAX_SHARED_HEADS
     if dtype.itemsize == 2:
         if head_dim <= 64:
             return LaunchConfig(
                 fwd_warps=1, window_rows=128, window_n=64, window_fwd_warps=8, window_fwd_stages=3, dq_warps=1,
-                dq_stages=3, dkv_rows=64, dkv_stages=4, window_block_m=32, window_stages=4,
+                dq_stages=3, dkv_rows=64, dkv_stages=4, window_block_m=32, window_stages=4, atomic_dq=atomic_dq,
             )
-        return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3, window_block_m=32, window_stages=4)
-    window_steps = dict(window_block_n=32, window_block_m=32)
+        return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_rows=16 if atomic_dq else 32, dkv_stages=3,
+                            window_block_m=32, window_stages=4, atomic_dq=atomic_dq)
+    window_steps = dict(window_block_n=32, window_block_m=32, atomic_dq=atomic_dq)
     if head_dim <= 64:
         return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=dkv_rows, **window_steps)
     return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_stages=3, **window_steps)
@@ -864,6 +924,11 @@ class _Problem:
     def grid(self) -> tuple[int, int, int]:
         return (self.seq_len, self.selection_heads, self.batch)
 
+    @property
+    def atomic_dq(self) -> bool:
+        """Whether the dK / dV pass adds the selection's dQ (``LaunchConfig.atomic_dq``): not
+        with sel_scale, whose gradient the dQ pass reduces per slot, nor without key sets."""
+        return self.config.atomic_dq and not self.has_sel_scale and self.constexprs["NUM_SETS"] > 0
 
     @property
     def num_blocks(self) -> int:
@@ -1093,7 +1158,10 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
     precision = dot_precision(q.dtype)
     if d_out is None:
         d_out = torch.zeros_like(out)
+    atomic_dq = problem.atomic_dq
     dq = _empty((b, hq, n, d), q.dtype, q.device)
+    # With atomic_dq the dK / dV pass adds the selection's dQ here, the window's dQ pass the rest.
+    dq_acc = _empty((b, hq, n, d), torch.float32, q.device) if atomic_dq else None
     dsel = _empty(indices.shape, torch.float32, q.device) if problem.has_sel_scale else None
     delta = _empty((b, hq, n), torch.float32, q.device)
     row_stats = _empty((b, n, hq, 2), torch.float32, q.device)
@@ -1102,28 +1170,34 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
     dk_acc, dv_acc = _empty((2, b, hk, n, d), torch.float32, q.device)  # zeroed by _dq_kernel
     key_tiles = _key_tiles(k, v, d)
 
+    def window_dq(dq_window: torch.Tensor) -> None:
+        launch(window_dq_kernel, (problem.num_window_tiles(for_dq=True), hs, b),
+            q, *key_tiles(problem.window_tile(for_dq=True)[1]), swa_out, d_swa_out, swa_lse,
+            swa_delta, dq_window, lse if dq_acc is None else dq_acc, *_strides(q), *_strides(d_swa_out),
+            n, hq, problem.scale,
+            SEL_SHARED_HEADS=hq // hs, GQA_SHARED_HEADS=hq // hk,
+            **problem.window_constexprs(for_dq=True),
+            D=d, D_PAD=_padded_head_dim(d), CAUSAL=problem.causal,
+            ADD_ACC=atomic_dq,
+            DOT_PRECISION=precision,
+            num_warps=config.window_dq_warps,
+            num_stages=config.window_dq_stages,
+        )
+
     def dq_launches():
         dq_window = lse  # never read without the window: any valid pointer does
-        if sliding:
+        if sliding and not atomic_dq:
             dq_window = _empty((b, hq, n, d), q.dtype, q.device)
-            launch(window_dq_kernel, (problem.num_window_tiles(for_dq=True), hs, b),
-                q, *key_tiles(problem.window_tile(for_dq=True)[1]), swa_out, d_swa_out, swa_lse,
-                swa_delta, dq_window, *_strides(q), *_strides(d_swa_out),
-                n, hq, problem.scale,
-                SEL_SHARED_HEADS=hq // hs, GQA_SHARED_HEADS=hq // hk,
-                **problem.window_constexprs(for_dq=True),
-                D=d, D_PAD=_padded_head_dim(d), CAUSAL=problem.causal,
-                DOT_PRECISION=precision,
-                num_warps=config.window_dq_warps,
-                num_stages=config.window_dq_stages,
-            )
+            window_dq(dq_window)
         launch(_dq_kernel, problem.grid,
-            q, *key_tiles(problem.dq_fine_n), out, d_out, lse, sel_idx, sel_mask, sel_scale_arg, dq,
+            q, *key_tiles(problem.dq_fine_n), out, d_out, lse, sel_idx, sel_mask, sel_scale_arg,
+            dq if dq_acc is None else dq_acc,
             dsel if dsel is not None and dsel.numel() else lse, delta, row_stats, dq_window, dk_acc, dv_acc,
             *_strides(q), *_strides(d_out),
             n, hq, hs, problem.scale,
             **{**problem.constexprs, "FINE_N": problem.dq_fine_n},
             SLIDING=sliding,
+            ATOMIC_DQ=atomic_dq,
             DOT_PRECISION=precision,
             num_warps=config.dq_warps,
             num_stages=config.dq_stages,
@@ -1143,6 +1217,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
         launch(_dkv_kernel, (table.chunk_key.numel(), problem.block_size // problem.fine_n),
             q, k, v, d_out, row_stats, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
             table.chunk_key, table.chunk_order if ordered else table.chunk_key, dk_acc, dv_acc,
+            dk_acc if dq_acc is None else dq_acc,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
             n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
             **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
@@ -1152,6 +1227,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
             CHUNKS_ORDERED=ordered,
             Q_ROWS=_row_layout(q),
             DO_ROWS=_row_layout(d_out),
+            ATOMIC_DQ=atomic_dq,
             M=max(config.dkv_rows, rows_per_entry),
             CHUNK=config.dkv_chunk,
             CHUNK_PAD=next_power_of_2(config.dkv_chunk),
@@ -1160,6 +1236,12 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: _KeyBlockEntrie
             num_stages=config.dkv_stages,
             **({} if config.dkv_max_registers is None else {"maxnreg": config.dkv_max_registers}),
         )
+    if atomic_dq:
+        if sliding:
+            window_dq(dq)
+        else:
+            torch.mul(dq_acc, problem.scale, out=dq_acc)
+            dq.copy_(dq_acc)
     if sliding:
         dk = _empty((b, hk, n, d), k.dtype, k.device)
         dv = _empty((b, hk, n, d), v.dtype, v.device)

@@ -212,16 +212,18 @@ def _store_gated_sum(
 
 @triton.jit
 def window_dq_kernel(
-    Q, K_TILES, V_TILES, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, DQ_WINDOW,
+    Q, K_TILES, V_TILES, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, DQ_WINDOW, DQ_ACC,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
     N, HQ, sm_scale,
     SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ADD_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The window's dQ (into DQ_WINDOW, in its dtype) and delta of window tile
-    ``program_id(0)``; K_TILES, V_TILES as in ``window_forward``."""
+    ``program_id(0)``; K_TILES, V_TILES as in ``window_forward``. ADD_ACC: DQ_WINDOW gets
+    the sum of that dQ and the dQ the selection left, without sm_scale, in DQ_ACC
+    ([Z, HQ, N, D] float32)."""
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     tile = tl.program_id(0)
     i, heads, row_ok = _window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
@@ -240,6 +242,8 @@ def window_dq_kernel(
         k, v = _key_tiles(K_TILES, V_TILES, z, kv_head, start, WINDOW_N, D_PAD)
         visible = _in_window(i, pos, WINDOW, CAUSAL) & (pos < hi)[None, :]
         dq, _ = dq_tile(q, do, lse2, delta, k, v, visible, sm_scale * LOG2E, 1.0, dq, DOT_PRECISION)
+    if ADD_ACC:
+        dq += load_tile(DQ_ACC, out_rows, row_ok, offs_d, d_ok, 1)
     dq *= sm_scale  # d(logit)/d(q.k), once instead of per score
     tl.store(DQ_WINDOW + out_rows[:, None] + offs_d[None, :], dq.to(DQ_WINDOW.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
