@@ -71,6 +71,20 @@ ISSUE_POPULAR_TRITON = {4096: (5.76, 29.6, 3.0), 16384: (30.1, 134.8, 12.8)}
 ISSUE_POPULAR_PYTORCH = {4096: ("12.1", "38.4", "9.9"), 16384: ("49.1", "out of memory (80 GB)", "")}
 
 
+@dataclass(frozen=True)
+class Heads:
+    """The width and heads of both layers (the rest of NSA_OPTIONS is fixed)."""
+
+    dim: int = DIM
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    dim_head: int = DIM_HEAD
+
+    def __str__(self) -> str:
+        return (f"dim {self.dim}, {self.heads} query heads on {self.kv_heads} kv heads "
+                f"of dim {self.dim_head}")
+
+
 @dataclass
 class Measurement:
     fwd_ms: float | None = None
@@ -81,20 +95,20 @@ class Measurement:
     error: str | None = None
 
 
-def build(kind: str) -> torch.nn.Module:
+def build(kind: str, heads: Heads = Heads()) -> torch.nn.Module:
     if kind == "nsa":
-        layer = SparseAttention(DIM, DIM_HEAD, HEADS, kv_heads=KV_HEADS, **NSA_OPTIONS)
+        layer = SparseAttention(heads.dim, heads.dim_head, heads.heads, kv_heads=heads.kv_heads, **NSA_OPTIONS)
     else:
-        layer = FullAttention(DIM, DIM_HEAD, HEADS, kv_heads=KV_HEADS, causal=True)
+        layer = FullAttention(heads.dim, heads.dim_head, heads.heads, kv_heads=heads.kv_heads, causal=True)
     return layer.cuda()
 
 
-def inputs(kind: str, n: int):
-    """A freshly seeded layer, its input x [1, n, DIM] (fp32, requires grad) and an output gradient."""
+def inputs(kind: str, n: int, heads: Heads = Heads()):
+    """A freshly seeded layer, its input x [1, n, dim] (fp32, requires grad) and an output gradient."""
     torch.manual_seed(0)
-    layer = build(kind)
-    x = torch.randn(1, n, DIM, device="cuda", requires_grad=True)
-    grad_out = torch.randn(1, n, DIM, device="cuda")
+    layer = build(kind, heads)
+    x = torch.randn(1, n, heads.dim, device="cuda", requires_grad=True)
+    grad_out = torch.randn(1, n, heads.dim, device="cuda")
     return layer, x, grad_out
 
 
@@ -111,11 +125,11 @@ def step_fns(layer, x, grad_out):
     return forward, forward_backward
 
 
-def measure(kind: str, n: int) -> Measurement:
+def measure(kind: str, n: int, heads: Heads = Heads()) -> Measurement:
     result = Measurement()
     layer = x = grad_out = None
     try:
-        layer, x, grad_out = inputs(kind, n)
+        layer, x, grad_out = inputs(kind, n, heads)
         forward, forward_backward = step_fns(layer, x, grad_out)
         forward_backward()  # compile kernels, warm the allocator
         torch.cuda.synchronize()
@@ -322,7 +336,7 @@ def profile(columns: dict[tuple[str, int], dict[str, float]], steps: dict[tuple[
     top_rows = []
     for name, ms in sorted(nsa_kernels.items(), key=lambda item: -item[1])[:8]:
         resources = _triton_resources(name)
-        top_rows.append([f"`{name[:60]}`", _kernel_group(name).split(" (")[0], f"{ms:.2f}",
+        top_rows.append([f"`{name[:60]}`", kernel_group(name).split(" (")[0], f"{ms:.2f}",
                          *(("-", "-") if resources is None else resources)])
     summary = ("Where the time goes: CUDA kernel time per compiled forward + backward (torch.profiler over "
                f"{PROFILED_STEPS} torch.compile steps, ms), by kernel group. A step's median from CUDA events, a separate "
@@ -344,7 +358,7 @@ def profile(columns: dict[tuple[str, int], dict[str, float]], steps: dict[tuple[
 def _grouped(kernels: dict[str, float]) -> dict[str, float]:
     groups: dict[str, float] = {}
     for name, ms in kernels.items():
-        group = _kernel_group(name)
+        group = kernel_group(name)
         groups[group] = groups.get(group, 0.0) + ms
     return groups
 
@@ -385,7 +399,7 @@ _INVERSION_KERNELS = ("_entry_keys_kernel", "_first_chunks_kernel", "_chunk_keys
 _INVERSION_MARKERS = ("radix", "RadixSort", "searchsorted", "DeviceScan", "fill_reverse_indices")
 
 
-def _kernel_group(name: str) -> str:
+def kernel_group(name: str) -> str:
     from native_sparse_attention.kernels import compressed, gate_combine, selection, sliding_window
 
     if name in _INVERSION_KERNELS or any(marker in name for marker in _INVERSION_MARKERS):

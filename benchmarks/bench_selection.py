@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from figures import selection_figure  # noqa: E402
 from report import (  # noqa: E402
-    BENCHMARKS_DOC, environment_line, markdown_table, median_ms, write_figure, write_section,
+    BENCHMARKS_DOC, environment_line, kernel_times, markdown_table, median_ms, write_figure, write_section,
 )
 
 from native_sparse_attention.attend import native_sparse_attend  # noqa: E402
@@ -241,21 +241,13 @@ def host_issue_ms(config: Config, problem, iterations: int = 20) -> float:
 
 def kernel_breakdown(config: Config, problem, iterations: int = 5) -> dict[str, float]:
     """Device time (ms) per kernel of one forward + backward, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
     run = _fwd_and_bwd(_selection_forward(config, problem), problem[:3])
     run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iterations):
-            run()
-        torch.cuda.synchronize()
     names = {"_fwd_kernel": "forward", "_dq_kernel": "dQ pass", "_dkv_kernel": "dK/dV pass"}
     times: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = names.get(event.name, "inverse index, zeroing, casts")
-            times[name] = times.get(name, 0.0) + event.device_time / 1000 / iterations
+    for kernel, ms in kernel_times(run, iterations).items():
+        name = names.get(kernel, "inverse index, zeroing, casts")
+        times[name] = times.get(name, 0.0) + ms
     return times
 
 

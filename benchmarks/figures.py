@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["layer_figure", "paired_figure", "selection_figure"]
+__all__ = ["configs_figure", "layer_figure", "paired_figure", "selection_figure"]
 
 
 def _matplotlib():
@@ -159,6 +159,26 @@ def paired_figure(rounds: dict[int, dict[str, list[tuple[float, float]]]], targe
         axes.set_ylabel("fwd+bwd speed-up over dense (x)")
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
+    return figure
+
+
+def configs_figure(speedups: dict[str, dict[int, float | None]]) -> Figure:
+    """The layer at several head configurations: ``speedups[config][n]``, the dense
+    layer's replayed forward + backward time over the NSA layer's (None where not
+    measured), one line per config against n, and the line where the two are level."""
+    plt = _matplotlib()
+    figure, axes = plt.subplots(figsize=(7.5, 4.5), layout="constrained")
+    lengths = sorted({n for values in speedups.values() for n in values})
+    for index, (config, values) in enumerate(speedups.items()):
+        points = [(n, values[n]) for n in sorted(values) if values[n] is not None]
+        if points:
+            axes.plot(*zip(*points), marker="o", color=f"C{index}", label=config)
+    axes.axhline(1.0, color="0.3", linestyle="--", label="level with dense")
+    _length_axis(axes, lengths)
+    axes.set_ylim(bottom=0)
+    axes.set_ylabel("fwd+bwd speed-up over dense (x), CUDA graph")
+    axes.set_title("NSA layer against the dense layer by head configuration")
+    axes.legend(fontsize=8)
     return figure
 
 

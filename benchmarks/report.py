@@ -57,6 +57,23 @@ def median_ms(fn, warmup: int = 25, rep: int = 100, min_calls: int = 10) -> floa
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """Device time (ms) per call of ``fn`` of each CUDA kernel (and memset / memcpy) it
+    runs, by name, from the profiler over ``calls`` calls after a synchronisation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time / 1000 / calls
+    return times
+
+
 def write_figure(draw, path: Path) -> Path | None:
     """The matplotlib figure ``draw()`` returns, written to ``path`` as a PNG (atomically);
     None, with a note, where matplotlib is not installed (the tables are written anyway)."""

@@ -204,3 +204,51 @@ def test_train_runs_table_gives_each_runs_launch_and_command(tmp_path):
     assert "| full | full | eager |" in table
     assert "- sparse: `python train.py --preset enwik8 --steps 200`" in table
     assert "- full: `python train.py --preset enwik8 --attn full --steps 200 --compile --no-cuda-graph`" in table
+
+
+def _config_results():
+    """Two configurations; the wider one's longest NSA run was out of memory and it was
+    not profiled."""
+    from benchmarks.bench_layer import Heads
+    from benchmarks.bench_layer_configs import ConfigResult
+
+    narrow = ConfigResult(Heads(), kernels_ms=40.0, selection_ms=10.0)
+    narrow.lengths = {
+        8192: {"dense": Measurement(1.0, 3.3, 3.2, None, 0.9), "nsa": Measurement(2.0, 6.0, 3.2, None, 1.0)},
+        65536: {"dense": Measurement(40.0, 150.0, 148.0, None, 4.8), "nsa": Measurement(10.0, 37.0, 37.0, None, 5.5)},
+    }
+    wide = ConfigResult(Heads(dim=4096, heads=32, kv_heads=8, dim_head=128))
+    wide.lengths = {
+        8192: {"dense": Measurement(2.0, 7.5, 7.2, None, 1.4), "nsa": Measurement(6.0, 15.6, 14.4, None, 2.1)},
+        65536: {"dense": Measurement(65.0, 250.0, 250.0, None, 9.3), "nsa": Measurement(error="OOM")},
+    }
+    return [narrow, wide]
+
+
+def test_configs_report_gives_each_config_and_length_its_row():
+    from benchmarks.bench_layer_configs import report
+
+    section = report(_config_results(), figure="layer_configs.png")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| 32q")]
+    assert rows[0] == ["32q / 2kv, d 64, dim 2048", "16", "8192", "3.20 / 3.20", "1.00x", "3.30 / 6.00",
+                       "0.55x", "0.90 / 1.00"]
+    assert rows[1][2:5] == ["65536", "148.00 / 37.00", "4.00x"]
+    assert rows[2][:5] == ["32q / 8kv, d 128, dim 4096", "4", "8192", "7.20 / 14.40", "0.50x"]
+    assert rows[3][3:] == ["250.00 / OOM", "-", "250.00 / OOM", "-", "9.30 / OOM"]
+    # The query-side table: 2 * kv_heads * 17 blocks * 64 tokens * d * 2 bytes per token.
+    assert rows[4] == ["32q / 2kv, d 64, dim 2048", "0.53", "10.00", "40.00", "25"]
+    assert rows[5] == ["32q / 8kv, d 128, dim 4096", "4.25", "-", "-", "-"]
+    assert "![" in section and "(layer_configs.png)" in section
+    assert "![" not in report(_config_results())
+
+
+def test_configs_figure_one_line_per_config_without_failed_points():
+    from benchmarks.bench_layer_configs import speedups
+    from benchmarks.figures import configs_figure
+
+    figure = configs_figure(speedups(_config_results()))
+    lines = _lines(figure.axes[0])
+    assert lines["32q / 2kv, d 64, dim 2048"] == ([8192, 65536], [1.0, 4.0])
+    assert lines["32q / 8kv, d 128, dim 4096"] == ([8192], [0.5])
+    assert "level with dense" in lines
