@@ -80,10 +80,6 @@ class Heads:
     kv_heads: int = KV_HEADS
     dim_head: int = DIM_HEAD
 
-    def __str__(self) -> str:
-        return (f"dim {self.dim}, {self.heads} query heads on {self.kv_heads} kv heads "
-                f"of dim {self.dim_head}")
-
 
 @dataclass
 class Measurement:
