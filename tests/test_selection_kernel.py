@@ -539,13 +539,18 @@ def test_gpu_long_sequences(case):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_int64_offsets():
-    """b * hq * n * d > 2**31: every kernel must address past the int32 range."""
-    case = Case(b=4100, hq=8, hk=2, n=1024, d=64, block_size=64, num_slots=4, window=64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("with_sel_scale", [True, False], ids=["dq_pass", "atomic_dq"])
+def test_gpu_int64_offsets(with_sel_scale):
+    """b * hq * n * d > 2**31: every kernel must address past the int32 range (without
+    sel_scale the group of 4 takes dQ from the dK / dV pass, into a float32 buffer)."""
+    case = Case(b=4100, hq=8, hk=2, n=1024, d=64, block_size=64, num_slots=4, window=64, dtype=torch.bfloat16,
+                sel_scale=with_sel_scale)
     assert case.b * case.hq * case.n * case.d > 2**31
     q, k, v, indices, fmask, sel_scale = make_inputs(replace(case, b=1), seed=3)
     expand = lambda t: t.detach().expand(case.b, *t.shape[1:]).contiguous()  # noqa: E731
-    q, k, v, sel_scale = (expand(t).requires_grad_() for t in (q, k, v, sel_scale))
+    q, k, v = (expand(t).requires_grad_() for t in (q, k, v))
+    if sel_scale is not None:
+        sel_scale = expand(sel_scale).requires_grad_()
     indices, fmask = expand(indices), expand(fmask)
     # Only the last batch element gets gradient: its rows sit past 2**31 elements.
     d_out = torch.zeros_like(q)
@@ -557,12 +562,15 @@ def test_gpu_int64_offsets():
     last = slice(case.b - 1, case.b)
     one = replace(case, b=1)
     ref_out, ref_sliding, ref_lse, ref_grads = reference(
-        one, q[last], k[last], v[last], indices[last], fmask[last], sel_scale[last], d_out[last], d_sliding[last]
+        one, q[last], k[last], v[last], indices[last], fmask[last], None if sel_scale is None else sel_scale[last],
+        d_out[last], d_sliding[last],
     )
     tol = tolerance(case.dtype)
     assert_close_scaled(out[last], ref_out, tol, "out")
     assert_close_scaled(sliding[last], ref_sliding, tol, "sliding_out")
     torch.testing.assert_close(lse[last].double(), ref_lse, atol=tol, rtol=tol)
-    for name, grad, ref_grad in zip(("dq", "dk", "dv", "dsel_scale"), (q.grad, k.grad, v.grad, sel_scale.grad),
-                                    ref_grads):
+    grads = (q.grad, k.grad, v.grad, None if sel_scale is None else sel_scale.grad)
+    for name, grad, ref_grad in zip(("dq", "dk", "dv", "dsel_scale"), grads, ref_grads):
+        if ref_grad is None:
+            continue
         assert_close_scaled(grad[last], ref_grad, tol, name)
