@@ -61,7 +61,9 @@ positions per program, one warp each through a batched [positions, ROWS, D] dot,
   loads both as one 8-byte run per row, an entry's heads side by side. (A float32 buffer, twice
   the bytes to write and read, kept one rounding fewer but cost 0.17-0.2 ms more at the
   layer benchmark's n = 65536 on an H100; the compressed branch's dQ reaches the sum of
-  the branches rounded to the input dtype as well.)
+  the branches rounded to the input dtype as well.) For selections shared by at most 8
+  query heads the key side computes dQ instead (``ATOMIC_DQ``, below) and this pass
+  keeps only delta, ROW_STATS and the zeroing.
 
 Key side: a key block is selected by arbitrary queries, so no query-side program owns
 its dK / dV. Adding them atomically from the query side costs one float32 atomic per
