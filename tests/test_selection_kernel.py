@@ -253,6 +253,17 @@ CASES = {
                                            dtype=torch.float16, heads_last=True, launch=(("atomic_dq", True),)),
     "atomic_dq_with_sel_scale": Case(hq=4, hk=2, n=30, d=16, num_slots=2, window=7,
                                      launch=(("atomic_dq", True),)),
+    # The forward key-major over the inverted selection: with sel_scale, a window, chunks of
+    # 3 entries in fine tiles, per query head, non-causal, fp16 strided.
+    "key_major_group3_d48_sliding": Case(hq=6, hk=2, n=37, d=48, window=20, launch=(("key_major_forward", True),)),
+    "key_major_block32_fine16_chunks": Case(hq=2, hk=1, n=40, d=16, block_size=32, num_slots=2,
+                                            launch=(("key_major_forward", True), ("fine_n", 16), ("dkv_chunk", 3),
+                                                    ("dkv_rows", 16))),
+    "key_major_non_causal_sliding_per_head": Case(hq=2, hk=1, n=29, d=16, causal=False, window=6,
+                                                  per_query_head=True, launch=(("key_major_forward", True),)),
+    "key_major_atomic_dq_fp16_strided": Case(b=2, hq=4, hk=2, n=35, d=32, num_slots=2, window=11, sel_scale=False,
+                                             dtype=torch.float16, heads_last=True,
+                                             launch=(("key_major_forward", True), ("atomic_dq", True))),
     "query_major_dq_group2_sliding_no_sel_scale": Case(hq=4, hk=2, n=37, d=16, num_slots=2, window=9,
                                                        sel_scale=False, launch=(("atomic_dq", False),)),
 }
@@ -270,6 +281,22 @@ def test_small_groups_take_dq_from_the_dkv_pass():
         for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)):
             config = selection_kernels.default_launch_config(64, head_dim, dtype, True, shared_heads=shared_heads)
             assert config.atomic_dq is atomic, (shared_heads, dtype, head_dim)
+
+
+def test_small_groups_of_2_byte_inputs_run_the_forward_key_major():
+    for shared_heads, key_major in ((1, True), (4, True), (8, False), (16, False)):
+        for dtype, head_dim in ((torch.bfloat16, 64), (torch.float16, 128)):
+            config = selection_kernels.default_launch_config(64, head_dim, dtype, True, shared_heads=shared_heads)
+            assert config.key_major_forward is key_major, (shared_heads, dtype, head_dim)
+            decoding = selection_kernels.default_launch_config(64, head_dim, dtype, True, shared_heads=shared_heads,
+                                                               queries=1)
+            assert not decoding.key_major_forward
+            shortest = selection_kernels.KEY_MAJOR_FORWARD_MIN_QUERIES * (2 if head_dim <= 64 else 1)
+            for queries in (shortest - 1, shortest):
+                config = selection_kernels.default_launch_config(64, head_dim, dtype, True, shared_heads=shared_heads,
+                                                                 queries=queries)
+                assert config.key_major_forward is (key_major and queries == shortest), (shared_heads, queries)
+    assert not selection_kernels.default_launch_config(64, 64, torch.float32, True, shared_heads=1).key_major_forward
 
 
 # case, q_offset: the last n - q_offset queries of the case, as a decoding step (one query)
@@ -537,12 +564,35 @@ def test_gpu_long_sequences(case):
     check_against_reference(case, seed=11)
 
 
+def _key_major_forward(monkeypatch, key_major: bool):
+    """Keeps the tuned defaults but runs every training forward key-major or query-side."""
+    tuned = selection_kernels.default_launch_config
+    monkeypatch.setattr(selection_kernels, "default_launch_config",
+                        lambda *args, **kwargs: replace(tuned(*args, **kwargs), key_major_forward=key_major))
+
+
+# The tuned 2-byte defaults take the key-major forward only from KEY_MAJOR_FORWARD_MIN_QUERIES
+# queries on; these run it at 4096.
+KEY_MAJOR_GPU_CASES = ("shared_group4_d64_sliding_bf16", "per_head_group3_d48_non_causal_fp16",
+                       "group1_d96_fp16_int32", "atomic_dq_group4_d128_sliding_bf16")
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("with_sel_scale", [True, False], ids=["dq_pass", "atomic_dq"])
-def test_gpu_int64_offsets(with_sel_scale):
-    """b * hq * n * d > 2**31: every kernel must address past the int32 range (without
-    sel_scale the group of 4 takes dQ from the dK / dV pass, into a float32 buffer)."""
+@pytest.mark.parametrize("name", KEY_MAJOR_GPU_CASES)
+def test_gpu_key_major_forward(name, monkeypatch):
+    _key_major_forward(monkeypatch, True)
+    check_against_reference(GPU_CASES[name], seed=11)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("with_sel_scale", [True, False], ids=["query_major", "key_major"])
+def test_gpu_int64_offsets(with_sel_scale, monkeypatch):
+    """b * hq * n * d > 2**31: every kernel must address past the int32 range. With
+    sel_scale, the query-side forward and the dQ pass; without, the key-major forward and
+    dQ from the dK / dV pass (the group of 4's default), both into float32 buffers."""
+    _key_major_forward(monkeypatch, not with_sel_scale)
     case = Case(b=4100, hq=8, hk=2, n=1024, d=64, block_size=64, num_slots=4, window=64, dtype=torch.bfloat16,
                 sel_scale=with_sel_scale)
     assert case.b * case.hq * case.n * case.d > 2**31

@@ -28,6 +28,8 @@ Entry: one (query i, selection head, key set) whose key set is a valid block; it
     M: query rows per step of _dkv_kernel; CHUNK: most entries per _dkv_kernel program
 ROW_STATS: ``[Z, N, HQ, 2]`` float32, per query row the base-2 LSE (+inf for a row
     without keys) and delta, which ``_dq_kernel`` leaves for ``_dkv_kernel``
+STATS: ``[Z, HQ, N, NUM_SETS, TILES_PER_BLOCK, 2]`` float32, per query row and key tile
+    the base-2 maximum and sum of exponentials of a key-major forward's first launch
 
 Work decomposition
 ------------------
@@ -108,6 +110,19 @@ launches, where a backward will follow), and
 With a window, ``window_dkv_kernel`` then adds these float32 accumulators to the window's
 dK / dV and writes both in the input dtype; without one, the host casts them.
 
+``_key_major_fwd_kernel`` (``LaunchConfig.key_major_forward``) runs the forward on the
+same table and grid, for small groups. The query-side forward loads a selected block's
+keys and values for every query that selected it, for only SEL_SHARED_HEADS rows: at
+4 heads on a kv head, d = 128, 32 KB of keys and values per entry feed 4 query rows.
+Key-major, a program loads its key tile once and gathers the entries' q rows instead
+(1 KB per entry there), twice: a first launch leaves each row's base-2 maximum and sum
+of exponentials per (key set, tile) in STATS, ``_key_major_lse_kernel`` reduces them
+to the rows' LSE, and a second launch adds the rows' normalised P V atomically to a
+float32 output. The forward then needs the inverted table before its launches, which
+it hands to the backward. The atomic adds grow with the heads of an entry, the
+query-side loads do not, so large groups keep the query-side forward
+(``default_launch_config``).
+
 The forward, dQ and window kernels load their key and value tiles through TMA tensor
 descriptors, which need no address arithmetic or load masks and write the tiles straight
 to shared memory, where the dots read them: at 32 heads on 2 kv heads, d = 64, window
@@ -154,6 +169,11 @@ FEW_QUERIES = 16  # forwards of at most this many queries: see default_launch_co
 # Selections shared by at most this many query heads take their dQ from the dK / dV pass
 # (LaunchConfig.atomic_dq; measured in default_launch_config's docstring).
 ATOMIC_DQ_MAX_SHARED_HEADS = 8
+# Training forwards of 2-byte selections shared by at most KEY_MAJOR_FORWARD_MAX_SHARED_HEADS
+# query heads run key-major from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64 from
+# twice as many (LaunchConfig.key_major_forward; measured in default_launch_config's docstring).
+KEY_MAJOR_FORWARD_MAX_SHARED_HEADS = 4
+KEY_MAJOR_FORWARD_MIN_QUERIES = 8192
 # Memory layouts of the [Z, HQ, N, D] rows that _dkv_kernel gathers (see _gathered_rows).
 ROWS_STRIDED = tl.constexpr(0)
 ROWS_HEADS_MAJOR = tl.constexpr(1)  # contiguous [Z, HQ, N, D]
@@ -416,7 +436,8 @@ def _entry_rows(chunk_entries, start, e0, end, rows, z, N, HS, SEL: tl.constexpr
     constexpr NUM_SETS was a multiply-high and fix-ups per row of every step.
     It owns SEL_SHARED_HEADS query rows, laid out at ROWS_PER_ENTRY (a power of two) rows
     per entry. Returns per row: query position, query head, offset of the entry's slot in
-    the [Z, HS, N, SEL] selection tensors (-1 for the own block) and whether the row exists.
+    the [Z, HS, N, SEL] selection tensors (-1 for the own block), whether the row exists
+    and the entry's key set.
     """
     entry = e0 + rows // ROWS_PER_ENTRY
     in_entry = rows % ROWS_PER_ENTRY
@@ -429,7 +450,7 @@ def _entry_rows(chunk_entries, start, e0, end, rows, z, N, HS, SEL: tl.constexpr
     slot = (head_and_set & 0xFFFF) - (NUM_SETS - SEL)
     query = (z.to(tl.int64) * HS + sel_head) * N + i
     slot_offset = tl.where(slot >= 0, query * SEL + slot, -1)
-    return i, sel_head * SEL_SHARED_HEADS + in_entry, slot_offset, ok
+    return i, sel_head * SEL_SHARED_HEADS + in_entry, slot_offset, ok, slot + (NUM_SETS - SEL)
 
 
 @triton.jit
@@ -563,7 +584,7 @@ def _dkv_step(
     they add nothing, and keys past N accumulate into rows that are never stored.
     ATOMIC_DQ (never with HAS_SEL_SCALE): also adds the rows' dQ through these keys,
     without sm_scale, to DQ_ACC [Z, HQ, N, D] float32."""
-    i, head, slot_offset, row_ok = _entry_rows(chunk_entries, start, e0, end, rows, z, N, HS, SEL, NUM_SETS,
+    i, head, slot_offset, row_ok, _ = _entry_rows(chunk_entries, start, e0, end, rows, z, N, HS, SEL, NUM_SETS,
                                                SEL_SHARED_HEADS, ROWS_PER_ENTRY)
     lse_rows = (z.to(tl.int64) * HQ + head) * N + i
     q_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_qz, stride_qh, stride_qn, Q_ROWS)
@@ -677,6 +698,148 @@ def _dkv_kernel(
         tl.atomic_add(DV_ACC + acc, dv, mask=mask, sem="relaxed")
 
 
+# ----------------------------------------------------------------------------- key-major forward
+
+
+@triton.jit
+def _key_major_step(
+    Q, SEL_SCALE, STATS, LSE2, O_ACC, chunk_entries, start, e0, end, rows, z, pos, key_ok, k, v, tile,
+    stride_qz, stride_qh, stride_qn, stride_qd, N, HQ, HS, scale2, offs_d, d_ok,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, TILES_PER_BLOCK: tl.constexpr, SEL_SHARED_HEADS: tl.constexpr,
+    ROWS_PER_ENTRY: tl.constexpr, D: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, Q_ROWS: tl.constexpr,
+    MASKED: tl.constexpr, OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One step of ``_key_major_fwd_kernel`` over the entries ``[e0, e0 + len(rows) //
+    ROWS_PER_ENTRY)`` (clipped at ``end``): without OUTPUT, each row's base-2 maximum and
+    sum of exponentials over the tile's keys into STATS; with OUTPUT, the rows' P V over
+    them, normalised by LSE2, added to O_ACC."""
+    i, head, slot_offset, row_ok, key_set = _entry_rows(chunk_entries, start, e0, end, rows, z, N, HS, SEL,
+                                                        NUM_SETS, SEL_SHARED_HEADS, ROWS_PER_ENTRY)
+    lse_rows = (z.to(tl.int64) * HQ + head) * N + i
+    q_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_qz, stride_qh, stride_qn, Q_ROWS)
+    q = load_tile(Q, q_rows, row_ok, offs_d, d_ok, stride_qd)
+    logit_scale = scale2
+    if HAS_SEL_SCALE:
+        multiplier = tl.load(SEL_SCALE + slot_offset, mask=row_ok & (slot_offset >= 0), other=1.0)
+        logit_scale = scale2 * multiplier.to(tl.float32)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * logit_scale
+    visible = key_ok[:, None] & row_ok[None, :]
+    if MASKED:
+        visible &= pos[:, None] <= i[None, :]
+    if OUTPUT:
+        lse2 = tl.load(LSE2 + lse_rows, mask=row_ok, other=float("inf"))
+        p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
+        o = tl.dot(tl.trans(p_t.to(v.dtype)), v, input_precision=DOT_PRECISION)
+        tl.atomic_add(O_ACC + lse_rows[:, None] * D + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :],
+                      sem="relaxed")
+    else:
+        s_t = tl.where(visible, s_t, float("-inf"))
+        m = tl.max(s_t, 0)
+        l = tl.sum(tl.exp2(s_t - tl.where(m == float("-inf"), 0.0, m)[None, :]), 0)
+        stats = (lse_rows * NUM_SETS + key_set) * TILES_PER_BLOCK + tile
+        tl.store(STATS + stats[:, None] * 2 + tl.arange(0, 2)[None, :], tl.join(m, l), mask=row_ok[:, None])
+
+
+@triton.jit
+def _key_major_fwd_kernel(
+    Q, K, V, SEL_SCALE, ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, CHUNK_KEY, CHUNK_ORDER, STATS, LSE2, O_ACC,
+    stride_qz, stride_qh, stride_qn, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    N, HQ, HKV, HS, NUM_BLOCKS, NUM_KEYS, sm_scale,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
+    SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr,
+    CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, CHUNKS_ORDERED: tl.constexpr,
+    Q_ROWS: tl.constexpr, OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The selection's forward key-major, for one fine tile of one key block through one
+    chunk of the entries that attend the block (the grid and table of ``_dkv_kernel``),
+    in two launches: without OUTPUT the rows' per-tile maxima and sums of exponentials
+    (STATS [Z, HQ, N, NUM_SETS, TILES_PER_BLOCK, 2] float32, base 2), which the host
+    reduces to the rows' LSE2 [Z, HQ, N]; with OUTPUT the rows' normalised P V, added to
+    O_ACC [Z, HQ, N, D] float32. Each key tile is loaded once for all the queries that
+    selected it, where the query-major ``_fwd_kernel`` gathers it once per query."""
+    chunk = tl.load(CHUNK_ORDER + tl.program_id(0)) if CHUNKS_ORDERED else tl.program_id(0)
+    key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
+    if key < NUM_KEYS:  # else a spare program past the last chunk
+        z = key // (HKV * NUM_BLOCKS)
+        kv_head = (key // NUM_BLOCKS) % HKV
+        tile = tl.program_id(1)
+        tile_start = (key % NUM_BLOCKS) * BLOCK_SIZE + tile * FINE_N
+        pos = tile_start + tl.arange(0, FINE_N)
+        key_ok = pos < N
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < D
+        k = load_tile(K, strided_rows(z, kv_head, pos, stride_kz, stride_kh, stride_kn), key_ok, offs_d, d_ok,
+                      stride_kd)
+        v = k
+        if OUTPUT:
+            v = load_tile(V, strided_rows(z, kv_head, pos, stride_vz, stride_vh, stride_vn), key_ok, offs_d, d_ok,
+                          stride_vd)
+        first_entry = tl.load(KEY_FIRST_ENTRY + key)
+        start = first_entry + (chunk - tl.load(KEY_FIRST_CHUNK + key)) * CHUNK
+        end = tl.minimum(start + CHUNK, tl.load(KEY_FIRST_ENTRY + key + 1))
+        if not CAUSAL:
+            unmasked = start
+        elif QUERY_ORDERED:
+            unmasked = _first_entry_from(ENTRIES, start, end, tile_start + FINE_N)
+        else:
+            unmasked = end
+        in_chunk = tl.arange(0, CHUNK_PAD)
+        chunk_entries = tl.load(ENTRIES + start + in_chunk, mask=start + in_chunk < end, other=0)
+        STEP: tl.constexpr = M // ROWS_PER_ENTRY
+        TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
+        scale2 = sm_scale * LOG2E
+        for e0 in range(start, unmasked, STEP):
+            _key_major_step(Q, SEL_SCALE, STATS, LSE2, O_ACC, chunk_entries, start, e0, end, tl.arange(0, M), z, pos,
+                            key_ok, k, v, tile, stride_qz, stride_qh, stride_qn, stride_qd, N, HQ, HS, scale2, offs_d,
+                            d_ok, SEL, NUM_SETS, TILES_PER_BLOCK, SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE,
+                            Q_ROWS, True, OUTPUT, DOT_PRECISION)
+        for e0 in range(start + tl.cdiv(unmasked - start, STEP) * STEP, end, STEP):
+            _key_major_step(Q, SEL_SCALE, STATS, LSE2, O_ACC, chunk_entries, start, e0, end, tl.arange(0, M), z, pos,
+                            key_ok, k, v, tile, stride_qz, stride_qh, stride_qn, stride_qd, N, HQ, HS, scale2, offs_d,
+                            d_ok, SEL, NUM_SETS, TILES_PER_BLOCK, SEL_SHARED_HEADS, ROWS_PER_ENTRY, D, HAS_SEL_SCALE,
+                            Q_ROWS, False, OUTPUT, DOT_PRECISION)
+
+
+@triton.jit
+def _key_major_lse_kernel(
+    SEL_IDX, SEL_MASK, STATS, LSE2, LSE, N, HQ, HS,
+    SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILES_PER_BLOCK: tl.constexpr, SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr,
+    ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """The LSE of query position ``program_id(0)``'s rows (base 2 into LSE2, natural into
+    LSE, [Z, HQ, N]) from the per-tile statistics ``_key_major_fwd_kernel`` left in STATS,
+    read only for the key sets that have entries (those that hold keys, and when causal
+    none after the query's block: no program wrote the others'); -inf for a row without
+    keys."""
+    i = tl.program_id(0)
+    z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < SEL_SHARED_HEADS
+    lse_rows = (z.to(tl.int64) * HQ + first_head + rows) * N + i
+    sel_row = ((z.to(tl.int64) * HS + sel_head) * N + i) * SEL
+    blocks, _, order, _ = _key_sets(SEL_IDX, SEL_MASK, SEL_MASK, sel_row, i, N, SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE,
+                                    False)
+    has_entry = order >= 0
+    if CAUSAL:
+        has_entry &= blocks <= i // BLOCK_SIZE
+    lanes = tl.arange(0, SETS_PAD * TILES_PER_BLOCK)
+    has_keys = tl.gather(has_entry.to(tl.int32), lanes // TILES_PER_BLOCK, 0) != 0
+    read = row_ok[:, None] & has_keys[None, :] & (lanes < NUM_SETS * TILES_PER_BLOCK)[None, :]
+    stats = (lse_rows[:, None] * NUM_SETS * TILES_PER_BLOCK + lanes[None, :]) * 2
+    maxima = tl.load(STATS + stats, mask=read, other=float("-inf"))
+    sums = tl.load(STATS + stats + 1, mask=read, other=0.0)
+    top = tl.max(maxima, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(sums * tl.exp2(maxima - top[:, None]), 1)
+    lse2 = tl.where(total > 0, tl.log2(tl.maximum(total, 1e-30)) + top, float("-inf"))
+    tl.store(LSE2 + lse_rows, lse2, mask=row_ok)
+    tl.store(LSE + lse_rows, lse2 / LOG2E, mask=row_ok)
+
+
 # ----------------------------------------------------------------------------- launch
 
 
@@ -703,6 +866,9 @@ class LaunchConfig:
     adding each entry's rows atomically to a float32 buffer, instead of in a query-major
     pass that gathers every selected block's keys and values again (only without
     sel_scale; see ``default_launch_config``).
+    ``key_major_forward``: a training forward (queries at every key) runs the selection
+    key-major (``_key_major_fwd_kernel``) over the inverted selection, which it then
+    computes first, instead of gathering each query's blocks.
     """
 
     fine_n: int = 64
@@ -729,6 +895,7 @@ class LaunchConfig:
     window_warps: int = 4
     window_stages: int = 2
     atomic_dq: bool = False
+    key_major_forward: bool = False
 
 
 def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sliding: bool = False,
@@ -793,23 +960,42 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     2.04 / 2.82 -> 2.40). Groups of 16 lose: 32 on 2, d = 64: 5.53 -> 7.07 / 7.49 -> 8.63
     ms; 64 on 4, d = 128: 23.0 -> 23.3 / 30.5 -> 28.9 ms, but 5.22 -> 6.52 / 6.88 -> 7.82 at
     8192. The gradients of the two ways differ by 1e-4 to 3e-3 of their largest entry,
-    bf16's rounding."""
+    bf16's rounding.
+
+    Training forwards whose 2-byte selections are shared by at most
+    KEY_MAJOR_FORWARD_MAX_SHARED_HEADS query heads run key-major (``key_major_forward``, on
+    the dK / dV pass's rows, chunks, warps and stages) from KEY_MAJOR_FORWARD_MIN_QUERIES
+    queries on, up to d = 64 from twice as many. The op's forward / forward + backward, query-side against key-major, same
+    selections with a window of 512, n = 32768 (8192): 16 heads on 4 kv heads, d = 64:
+    4.34 -> 3.31 / 7.08 -> 6.00 ms (0.90 -> 0.89 / 1.82 -> 1.55); 32 on 8, d = 128: 18.2
+    -> 8.49 / 28.4 -> 18.5 ms (4.13 -> 2.18 / 6.60 -> 4.66). Groups of 8 lose: 16 on 2,
+    d = 128: 4.68 -> 5.88 / 10.5 -> 11.6 ms (1.07 -> 1.26 / 2.35 -> 2.52); so do groups
+    of 16: 32 on 2, d = 64: 2.54 -> 6.42 / 7.49 -> 11.2 ms. The key-major forward issues
+    the selection's inversion and three launches: about 1.0 ms of host time per call
+    against 0.2-0.4 ms (16 heads on 4 kv heads, d = 64, no window). There below 16384
+    queries it gains too little on the GPU to make up for that (kernel time of the
+    forward at n = 4096: 0.35 -> 0.42 ms; at 8192: 0.805 -> 0.800, while the eager
+    forward + backward took 1.46 -> 2.16 ms; at 16384: 1.84 -> 1.51 ms, 2.87 -> 2.52 ms);
+    at d = 128 the forward's gain at 8192 outweighs it."""
     if queries is not None and queries <= FEW_QUERIES:
         config = default_launch_config(block_size, head_dim, dtype, sliding, shared_heads)
-        config = replace(config, window_fwd_warps=None, window_rows=MIN_ROWS)
+        config = replace(config, window_fwd_warps=None, window_rows=MIN_ROWS, key_major_forward=False)
         if dtype.itemsize == 2 and head_dim <= 64:
             return replace(config, fwd_warps=4, fwd_stages=3, window_n=128)
         return replace(config, window_n=64 if dtype.itemsize == 2 else 32)
     dkv_rows = 32 if shared_heads > 8 else 16
     atomic_dq = shared_heads <= ATOMIC_DQ_MAX_SHARED_HEADS
     if dtype.itemsize == 2:
+        min_queries = KEY_MAJOR_FORWARD_MIN_QUERIES * (2 if head_dim <= 64 else 1)
+        key_major = shared_heads <= KEY_MAJOR_FORWARD_MAX_SHARED_HEADS and (queries is None or queries >= min_queries)
         if head_dim <= 64:
             return LaunchConfig(
                 fwd_warps=1, window_rows=128, window_n=64, window_fwd_warps=8, window_fwd_stages=3, dq_warps=1,
                 dq_stages=3, dkv_rows=64, dkv_stages=4, window_block_m=32, window_stages=4, atomic_dq=atomic_dq,
+                key_major_forward=key_major,
             )
         return LaunchConfig(fwd_stages=3 if sliding else 2, dkv_rows=16 if atomic_dq else 32, dkv_stages=3,
-                            window_block_m=32, window_stages=4, atomic_dq=atomic_dq)
+                            window_block_m=32, window_stages=4, atomic_dq=atomic_dq, key_major_forward=key_major)
     window_steps = dict(window_block_n=32, window_block_m=32, atomic_dq=atomic_dq)
     if head_dim <= 64:
         return LaunchConfig(fwd_warps=2, window_rows=32, window_n=64, dkv_rows=dkv_rows, **window_steps)
@@ -927,6 +1113,13 @@ class _Problem:
         return (self.seq_len, self.selection_heads, self.batch)
 
     @property
+    def key_major_forward(self) -> bool:
+        """Whether the forward runs the selection key-major (``LaunchConfig.key_major_forward``):
+        only with queries at every key and some key sets."""
+        return (self.config.key_major_forward and self.q_offset == 0 and self.num_keys == self.seq_len
+                and self.constexprs["NUM_SETS"] > 0)
+
+    @property
     def atomic_dq(self) -> bool:
         """Whether the dK / dV pass adds the selection's dQ (``LaunchConfig.atomic_dq``): not
         with sel_scale, whose gradient the dQ pass reduces per slot, nor without key sets."""
@@ -976,8 +1169,10 @@ def _merged_dtype(gates: torch.Tensor, q: torch.Tensor) -> torch.dtype:
 
 
 def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: torch.Tensor | None = None,
-             gates: torch.Tensor | None = None, compressed_out: torch.Tensor | None = None):
+             gates: torch.Tensor | None = None, compressed_out: torch.Tensor | None = None,
+             table: _KeyBlockEntries | None = None):
     """(out, lse, swa_out, swa_lse, merged); the window's two are empty without a window.
+    ``table``: the selection's inversion, which a key-major forward reads.
 
     ``position``: a one-element int64 device tensor holding the position of query row 0,
     read by the kernel in place of ``problem.q_offset``.
@@ -1028,12 +1223,65 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
         )
 
     window_tiles = problem.num_window_tiles(for_dq=False) if sliding else 0
-    if window_tiles and config.window_fwd_warps is not None:
+    if problem.key_major_forward:
+        out, lse = _key_major_forward(problem, q, k, v, sel_idx, sel_mask, sel_scale, table)
+        if window_tiles:
+            warps, stages = config.window_fwd_warps, config.window_fwd_stages
+            if warps is None:
+                warps, stages = config.fwd_warps, config.fwd_stages
+            launch_programs(window_tiles, 0, warps, stages)
+    elif window_tiles and config.window_fwd_warps is not None:
         launch_programs(0, n, config.fwd_warps, config.fwd_stages)
         launch_programs(window_tiles, 0, config.window_fwd_warps, config.window_fwd_stages)
     else:
         launch_programs(window_tiles, n, config.fwd_warps, config.fwd_stages)
     return out, lse, swa_out, swa_lse, merged
+
+
+def _key_major_forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, table: _KeyBlockEntries):
+    """(out [b, hq, n, d], lse [b, hq, n] float32) of the selection, key-major: the rows'
+    statistics per key tile, their LSE, then P V added per key tile (``_key_major_fwd_kernel``)."""
+    b, hq, hk, n, d = problem.batch, problem.query_heads, problem.kv_heads, problem.seq_len, problem.head_dim
+    hs, config, constexprs = problem.selection_heads, problem.config, problem.constexprs
+    tiles_per_block = problem.block_size // problem.fine_n
+    stats = _empty((b, hq, n, constexprs["NUM_SETS"] * tiles_per_block, 2), torch.float32, q.device)
+    lse2 = _empty((b, hq, n), torch.float32, q.device)
+    lse = _empty((b, hq, n), torch.float32, q.device)
+    out_acc = torch.zeros((b, hq, n, d), dtype=torch.float32, device=q.device)
+    ordered = table.chunk_order is not None
+    rows_per_entry = next_power_of_2(hq // hs)
+
+    def run(output: bool) -> None:
+        launch(_key_major_fwd_kernel, (table.chunk_key.numel(), tiles_per_block),
+            q, k, v, sel_scale, table.entries, table.first_entry, table.first_chunk, table.chunk_key,
+            table.chunk_order if ordered else table.chunk_key, stats, lse2, out_acc,
+            *_strides(q), *_strides(k), *_strides(v),
+            n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
+            **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
+                                                    "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
+            ROWS_PER_ENTRY=rows_per_entry,
+            QUERY_ORDERED=hs == hk,
+            CHUNKS_ORDERED=ordered,
+            Q_ROWS=_row_layout(q),
+            OUTPUT=output,
+            M=max(config.dkv_rows, rows_per_entry),
+            CHUNK=config.dkv_chunk,
+            CHUNK_PAD=next_power_of_2(config.dkv_chunk),
+            DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=config.dkv_warps,
+            num_stages=config.dkv_stages,
+        )
+
+    run(output=False)
+    launch(_key_major_lse_kernel, problem.grid,
+        indices, fmask, stats, lse2, lse, n, hq, hs,
+        **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "SETS_PAD", "BLOCK_SIZE", "SEL_SHARED_HEADS",
+                                                "GQA_SHARED_HEADS", "ROWS", "CAUSAL")},
+        TILES_PER_BLOCK=tiles_per_block,
+        num_warps=1,
+    )
+    run(output=True)
+    return out_acc.to(q.dtype), lse
 
 
 @dataclass(frozen=True)
@@ -1345,6 +1593,12 @@ def _launch_forward(
     most of what the sort left idle went to the kernels beside the dK / dV pass.
     """
     problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale, q_offset)
+
+    if problem.key_major_forward:
+        table = _invert(problem, indices, fmask, q.element_size())
+        outputs = _forward(problem, q, k, v, indices, fmask, sel_scale, gates=gates, compressed_out=compressed_out,
+                           table=table)
+        return *outputs, (table.tensors() if invert else [])
 
     def forward():
         return _forward(problem, q, k, v, indices, fmask, sel_scale, gates=gates, compressed_out=compressed_out)
