@@ -8,11 +8,13 @@ Decoding with a cache runs on the Triton kernels too, without gradients.
 
 import copy
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 from native_sparse_attention import SparseAttention, sparse_attention
+from native_sparse_attention.kernels import selection as selection_kernels
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -139,9 +141,19 @@ def test_layer_graphed_by_pytorch_matches_eager():
 
 
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
-@pytest.mark.parametrize("share, use_diff_topk, causal", [(True, True, True), (False, False, False)])
-def test_triton_path_matches_pytorch_path_interpreted(monkeypatch, share, use_diff_topk, causal):
+@pytest.mark.parametrize("share, use_diff_topk, causal, key_major", [
+    (True, True, True, False), (False, False, False, False), (True, False, True, True)])
+def test_triton_path_matches_pytorch_path_interpreted(monkeypatch, share, use_diff_topk, causal, key_major):
+    """``key_major``: the selection's forward runs key-major, which float32 inputs do not by
+    default, with the window's launch of its own that writes the gated sum after it."""
     torch.manual_seed(1)
+    key_major_runs = []
+    if key_major:
+        tuned, key_major_forward = selection_kernels.default_launch_config, selection_kernels._key_major_forward
+        monkeypatch.setattr(selection_kernels, "default_launch_config",
+                            lambda *args, **kwargs: replace(tuned(*args, **kwargs), key_major_forward=True))
+        monkeypatch.setattr(selection_kernels, "_key_major_forward",
+                            lambda *args, **kwargs: key_major_runs.append(1) or key_major_forward(*args, **kwargs))
     fast, reference = _sharpened_pair(
         monkeypatch, causal=causal, query_heads_share_selected_kv=share, use_diff_topk=use_diff_topk
     )
@@ -156,6 +168,7 @@ def test_triton_path_matches_pytorch_path_interpreted(monkeypatch, share, use_di
     monkeypatch.setattr(sparse_attention, "compressed_attend", materialising)
     monkeypatch.setattr(sparse_attention, "selection_block_scores", materialising)
     _assert_close(_run(fast, x, grad_out), reference_run, 1e-5, 1e-5, 1e-4)
+    assert bool(key_major_runs) is key_major
 
 
 def _decode(layer, x, prefill_len, chunks=()):
