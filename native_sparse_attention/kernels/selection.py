@@ -773,7 +773,7 @@ def _key_major_fwd_kernel(
         d_ok = offs_d < D
         k = load_tile(K, strided_rows(z, kv_head, pos, stride_kz, stride_kh, stride_kn), key_ok, offs_d, d_ok,
                       stride_kd)
-        v = k
+        v = k  # the statistics launch reads no values; Triton needs v bound on both branches
         if OUTPUT:
             v = load_tile(V, strided_rows(z, kv_head, pos, stride_vz, stride_vh, stride_vn), key_ok, offs_d, d_ok,
                           stride_vd)
