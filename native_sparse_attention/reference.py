@@ -100,7 +100,7 @@ def sliding_window_attend(
     """
     dtype = _compute_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    hq, m, n = q.shape[1], q.shape[2], k.shape[2]
+    m, n = q.shape[2], k.shape[2]
     # Only keys some query's window reaches: a decoding step (m = 1) reads window_size + 1
     # keys, not the whole cache.
     first = min(max(q_offset - window_size, 0), n)

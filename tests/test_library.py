@@ -15,6 +15,7 @@ import triton
 
 from native_sparse_attention import SparseAttention
 from native_sparse_attention.kernels import compressed, gate_combine, rotary, selection  # noqa: F401 (registration)
+from native_sparse_attention.kernels.selection_inverse import fake_key_block_entries
 from native_sparse_attention.kernels.library import (
     NAMESPACE, cdiv, column_sums, dot_precision, next_power_of_2, side_by_side,
 )
@@ -52,7 +53,7 @@ def test_selection_operators(window, with_scale, per_query_head):
     for forward_inputs in (inputs, inverting):
         torch.library.opcheck(OPS.selection_forward, forward_inputs, test_utils=CHECKS)
     out, lse, swa_out, swa_lse, _, table = OPS.selection_forward(*inverting)
-    assert [t.shape for t in table] == [t.shape for t in selection._fake_key_block_entries(
+    assert [t.shape for t in table] == [t.shape for t in fake_key_block_entries(
         selection._problem(*inputs[:2], inputs[3], with_scale, *inputs[6:]), 4, DEVICE)]
     assert OPS.selection_forward(*inputs)[-1] == []
     grads = (torch.randn_like(out), torch.randn_like(swa_out) if window is not None else None)

@@ -18,6 +18,7 @@ import torch
 
 from native_sparse_attention import native_sparse_attend
 from native_sparse_attention.kernels import selection as selection_kernels
+from native_sparse_attention.kernels import selection_inverse
 from native_sparse_attention.kernels.selection import LaunchConfig
 from native_sparse_attention.reference import selected_attend, sliding_window_attend
 
@@ -409,8 +410,8 @@ def test_dkv_chunk_table_skips_unselected_blocks():
         selection_kernels._problem(q, k, indices, True, case.block_size, False, None, 0.25),
         config=LaunchConfig(dkv_chunk=4),
     )
-    table = selection_kernels._key_block_entries(problem, indices.contiguous(), fmask.contiguous().view(torch.uint8),
-                                                 q.element_size())
+    table = selection_inverse.key_block_entries(problem, indices.contiguous(), fmask.contiguous().view(torch.uint8),
+                                                q.element_size())
     chunks = assert_chunk_table(table, chunk=4)
     assert (chunks == 0).sum() >= case.b
 
@@ -419,15 +420,15 @@ def test_dkv_chunks_launch_by_first_query(monkeypatch):
     """Program p of the dK / dV pass takes chunk ``chunk_order[p]``: every chunk once, the
     chunks of each (batch, kv head) together, ordered by the query of their first entry.
     On a GPU only problems many times L2's size order their chunks: this one is made to."""
-    monkeypatch.setattr(selection_kernels, "ORDERED_CHUNKS_MIN_L2_FILLS", 0)
+    monkeypatch.setattr(selection_inverse, "ORDERED_CHUNKS_MIN_L2_FILLS", 0)
     case = Case(b=2, hq=4, hk=2, n=45, d=16, num_slots=3)
     q, k, _, indices, fmask, _ = make_inputs(case, seed=3)
     problem = replace(
         selection_kernels._problem(q, k, indices, True, case.block_size, True, None, 0.25),
         config=LaunchConfig(dkv_chunk=4),
     )
-    table = selection_kernels._key_block_entries(problem, indices.contiguous(), fmask.contiguous().view(torch.uint8),
-                                                 q.element_size())
+    table = selection_inverse.key_block_entries(problem, indices.contiguous(), fmask.contiguous().view(torch.uint8),
+                                                q.element_size())
     num_chunks = table.chunk_key.numel()
     assert_chunk_table(table, chunk=4)
     assert sorted(table.chunk_order.tolist()) == list(range(num_chunks))
@@ -449,7 +450,7 @@ def test_dkv_chunks_launch_by_first_query(monkeypatch):
 @pytest.mark.parametrize("name", ["block32_fine16_chunks", "per_query_head_fp16", "padded_rows_group2_sliding"])
 def test_dkv_chunks_in_key_order_match_reference(name, monkeypatch):
     """Where q and dO fit in L2 a few times over, the chunks launch in key order."""
-    monkeypatch.setattr(selection_kernels, "_orders_chunks", lambda *_: False)
+    monkeypatch.setattr(selection_inverse, "orders_chunks", lambda *_: False)
     check_against_reference(CASES[name], monkeypatch=monkeypatch)
 
 
