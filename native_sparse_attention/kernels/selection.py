@@ -478,6 +478,27 @@ def _first_entry_from(ENTRIES, lo, hi, position):
 
 
 @triton.jit
+def _chunk_of_entries(ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, key, chunk, tile_end, CHUNK: tl.constexpr,
+                      CHUNK_PAD: tl.constexpr, CAUSAL: tl.constexpr, QUERY_ORDERED: tl.constexpr):
+    """(start, end, unmasked, chunk_entries) of key ``key``'s chunk ``chunk``: its entries
+    ``[start, end)``, loaded once as CHUNK_PAD values (0 past ``end``), and ``unmasked``,
+    the first of them whose query comes at or after ``tile_end`` and so sees every key of
+    a tile ending there (``start`` when not CAUSAL; ``end`` where the queries need not
+    ascend, not QUERY_ORDERED, so that every step masks)."""
+    start = tl.load(KEY_FIRST_ENTRY + key) + (chunk - tl.load(KEY_FIRST_CHUNK + key)) * CHUNK
+    end = tl.minimum(start + CHUNK, tl.load(KEY_FIRST_ENTRY + key + 1))
+    if not CAUSAL:
+        unmasked = start
+    elif QUERY_ORDERED:
+        unmasked = _first_entry_from(ENTRIES, start, end, tile_end)
+    else:
+        unmasked = end
+    in_chunk = tl.arange(0, CHUNK_PAD)
+    chunk_entries = tl.load(ENTRIES + start + in_chunk, mask=start + in_chunk < end, other=0)
+    return start, end, unmasked, chunk_entries
+
+
+@triton.jit
 def _row_stats_offsets(z, head, i, N, HQ):
     """[len(head), 2] offsets of rows ``[z, head, i]``'s (base-2 LSE, delta) pair in ROW_STATS."""
     return ((z.to(tl.int64) * N + i) * HQ + head)[:, None] * 2 + tl.arange(0, 2)[None, :]
@@ -575,17 +596,9 @@ def _dkv_kernel(
                       stride_kd)
         v = load_tile(V, strided_rows(z, kv_head, pos, stride_vz, stride_vh, stride_vn), key_ok, offs_d, d_ok,
                       stride_vd)
-        first_entry = tl.load(KEY_FIRST_ENTRY + key)
-        start = first_entry + (chunk - tl.load(KEY_FIRST_CHUNK + key)) * CHUNK
-        end = tl.minimum(start + CHUNK, tl.load(KEY_FIRST_ENTRY + key + 1))
-        if not CAUSAL:
-            unmasked = start
-        elif QUERY_ORDERED:
-            unmasked = _first_entry_from(ENTRIES, start, end, tile_start + FINE_N)
-        else:
-            unmasked = end
-        in_chunk = tl.arange(0, CHUNK_PAD)
-        chunk_entries = tl.load(ENTRIES + start + in_chunk, mask=start + in_chunk < end, other=0)
+        start, end, unmasked, chunk_entries = _chunk_of_entries(
+            ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, key, chunk, tile_start + FINE_N, CHUNK, CHUNK_PAD, CAUSAL,
+            QUERY_ORDERED)
         STEP: tl.constexpr = M // ROWS_PER_ENTRY
         scale2 = sm_scale * LOG2E
         dk = tl.zeros([FINE_N, D_PAD], tl.float32)
@@ -670,8 +683,8 @@ def _key_major_fwd_kernel(
     """The selection's forward key-major, for one fine tile of one key block through one
     chunk of the entries that attend the block (the grid and table of ``_dkv_kernel``),
     in two launches: without OUTPUT the rows' per-tile maxima and sums of exponentials
-    (STATS [Z, HQ, N, NUM_SETS, TILES_PER_BLOCK, 2] float32, base 2), which the host
-    reduces to the rows' LSE2 [Z, HQ, N]; with OUTPUT the rows' normalised P V, added to
+    (STATS [Z, HQ, N, NUM_SETS, TILES_PER_BLOCK, 2] float32, base 2), which
+    ``_key_major_lse_kernel`` reduces to the rows' LSE2 [Z, HQ, N]; with OUTPUT the rows' normalised P V, added to
     O_ACC [Z, HQ, N, D] float32. Each key tile is loaded once for all the queries that
     selected it, where the query-major ``_fwd_kernel`` gathers it once per query."""
     chunk = tl.load(CHUNK_ORDER + tl.program_id(0)) if CHUNKS_ORDERED else tl.program_id(0)
@@ -691,17 +704,9 @@ def _key_major_fwd_kernel(
         if OUTPUT:
             v = load_tile(V, strided_rows(z, kv_head, pos, stride_vz, stride_vh, stride_vn), key_ok, offs_d, d_ok,
                           stride_vd)
-        first_entry = tl.load(KEY_FIRST_ENTRY + key)
-        start = first_entry + (chunk - tl.load(KEY_FIRST_CHUNK + key)) * CHUNK
-        end = tl.minimum(start + CHUNK, tl.load(KEY_FIRST_ENTRY + key + 1))
-        if not CAUSAL:
-            unmasked = start
-        elif QUERY_ORDERED:
-            unmasked = _first_entry_from(ENTRIES, start, end, tile_start + FINE_N)
-        else:
-            unmasked = end
-        in_chunk = tl.arange(0, CHUNK_PAD)
-        chunk_entries = tl.load(ENTRIES + start + in_chunk, mask=start + in_chunk < end, other=0)
+        start, end, unmasked, chunk_entries = _chunk_of_entries(
+            ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, key, chunk, tile_start + FINE_N, CHUNK, CHUNK_PAD, CAUSAL,
+            QUERY_ORDERED)
         STEP: tl.constexpr = M // ROWS_PER_ENTRY
         TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
         scale2 = sm_scale * LOG2E
