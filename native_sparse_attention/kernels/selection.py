@@ -520,7 +520,7 @@ def _dkv_step(
     ATOMIC_DQ (never with HAS_SEL_SCALE): also adds the rows' dQ through these keys,
     without sm_scale, to DQ_ACC [Z, HQ, N, D] float32."""
     i, head, slot_offset, row_ok, _ = _entry_rows(chunk_entries, start, e0, end, rows, z, N, HS, SEL, NUM_SETS,
-                                               SEL_SHARED_HEADS, ROWS_PER_ENTRY)
+                                                  SEL_SHARED_HEADS, ROWS_PER_ENTRY)
     lse_rows = (z.to(tl.int64) * HQ + head) * N + i
     q_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_qz, stride_qh, stride_qn, Q_ROWS)
     do_rows = _gathered_rows(z, head, i, lse_rows, N, HQ, D, stride_doz, stride_doh, stride_don, DO_ROWS)
@@ -680,11 +680,12 @@ def _key_major_fwd_kernel(
     HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, CHUNKS_ORDERED: tl.constexpr,
     Q_ROWS: tl.constexpr, OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """The selection's forward key-major, for one fine tile of one key block through one
-    chunk of the entries that attend the block (the grid and table of ``_dkv_kernel``),
-    in two launches: without OUTPUT the rows' per-tile maxima and sums of exponentials
+    """The selection's forward key-major, for one fine tile of one key block through one chunk
+    of the entries that attend the block (the grid and table of ``_dkv_kernel``), in two
+    launches: without OUTPUT the rows' per-tile maxima and sums of exponentials
     (STATS [Z, HQ, N, NUM_SETS, TILES_PER_BLOCK, 2] float32, base 2), which
-    ``_key_major_lse_kernel`` reduces to the rows' LSE2 [Z, HQ, N]; with OUTPUT the rows' normalised P V, added to
+    ``_key_major_lse_kernel`` reduces to the rows' LSE2 [Z, HQ, N]; with OUTPUT the rows'
+    normalised P V, added to
     O_ACC [Z, HQ, N, D] float32. Each key tile is loaded once for all the queries that
     selected it, where the query-major ``_fwd_kernel`` gathers it once per query."""
     chunk = tl.load(CHUNK_ORDER + tl.program_id(0)) if CHUNKS_ORDERED else tl.program_id(0)
@@ -884,18 +885,18 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     Training forwards whose 2-byte selections are shared by at most
     KEY_MAJOR_FORWARD_MAX_SHARED_HEADS query heads run key-major (``key_major_forward``, on
     the dK / dV pass's rows, chunks, warps and stages) from KEY_MAJOR_FORWARD_MIN_QUERIES
-    queries on, up to d = 64 from twice as many. The op's forward / forward + backward, query-side against key-major, same
-    selections with a window of 512, n = 32768 (8192): 16 heads on 4 kv heads, d = 64:
-    4.34 -> 3.31 / 7.08 -> 6.00 ms (0.90 -> 0.89 / 1.82 -> 1.55); 32 on 8, d = 128: 18.2
-    -> 8.49 / 28.4 -> 18.5 ms (4.13 -> 2.18 / 6.60 -> 4.66). Groups of 8 lose: 16 on 2,
-    d = 128: 4.68 -> 5.88 / 10.5 -> 11.6 ms (1.07 -> 1.26 / 2.35 -> 2.52); so do groups
-    of 16: 32 on 2, d = 64: 2.54 -> 6.42 / 7.49 -> 11.2 ms. The key-major forward issues
-    the selection's inversion and three launches: about 1.0 ms of host time per call
-    against 0.2-0.4 ms (16 heads on 4 kv heads, d = 64, no window). There below 16384
-    queries it gains too little on the GPU to make up for that (kernel time of the
-    forward at n = 4096: 0.35 -> 0.42 ms; at 8192: 0.805 -> 0.800, while the eager
-    forward + backward took 1.46 -> 2.16 ms; at 16384: 1.84 -> 1.51 ms, 2.87 -> 2.52 ms);
-    at d = 128 the forward's gain at 8192 outweighs it."""
+    queries on, up to d = 64 from twice as many. The op's forward / forward + backward,
+    query-side against key-major, same selections with a window of 512, n = 32768 (8192): 16
+    heads on 4 kv heads, d = 64: 4.34 -> 3.31 / 7.08 -> 6.00 ms (0.90 -> 0.89 / 1.82 ->
+    1.55); 32 on 8, d = 128: 18.2 -> 8.49 / 28.4 -> 18.5 ms (4.13 -> 2.18 / 6.60 -> 4.66).
+    Groups of 8 lose: 16 on 2, d = 128: 4.68 -> 5.88 / 10.5 -> 11.6 ms (1.07 -> 1.26 / 2.35
+    -> 2.52); so do groups of 16: 32 on 2, d = 64: 2.54 -> 6.42 / 7.49 -> 11.2 ms. The
+    key-major forward issues the selection's inversion and three launches: about 1.0 ms of
+    host time per call against 0.2-0.4 ms (16 heads on 4 kv heads, d = 64, no window). There
+    below 16384 queries it gains too little on the GPU to make up for that (kernel time of
+    the forward at n = 4096: 0.35 -> 0.42 ms; at 8192: 0.805 -> 0.800, while the eager
+    forward + backward took 1.46 -> 2.16 ms; at 16384: 1.84 -> 1.51 ms, 2.87 -> 2.52 ms); at
+    d = 128 the forward's gain at 8192 outweighs it."""
     if queries is not None and queries <= FEW_QUERIES:
         config = default_launch_config(block_size, head_dim, dtype, sliding, shared_heads)
         config = replace(config, window_fwd_warps=None, window_rows=MIN_ROWS, key_major_forward=False)
