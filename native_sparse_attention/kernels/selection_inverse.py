@@ -131,11 +131,11 @@ class KeyBlockEntries:
     """The (query, key set) entries of the selection grouped by the key they attend.
 
     ``entries``: the (query, selection head, key set) of each of the [b, hs, n, num_sets]
-    key sets, packed as in ``selection._entry_rows``, sorted by key (in query order within a key),
-    those without a valid key last; key k owns ``entries[first_entry[k]:first_entry[k + 1]]``,
+    key sets, packed (module notation), sorted by key (in query order within a key), those
+    without a valid key last; key k owns ``entries[first_entry[k]:first_entry[k + 1]]``,
     cut into chunks of ``chunk`` entries numbered from ``first_chunk[k]``;
     ``chunk_key[p]`` is the key of chunk p, or ``num_keys`` for the spare programs past
-    the last chunk; program p of ``_dkv_kernel`` takes chunk ``chunk_order[p]``, or
+    the last chunk; program p of a key-major kernel takes chunk ``chunk_order[p]``, or
     chunk p where ``chunk_order`` is None (``orders_chunks``).
     """
 
@@ -164,7 +164,7 @@ def key_block_entries(problem: _Problem, indices: torch.Tensor, fmask: torch.Ten
     ``element_size``: bytes per element of q and dO.
 
     Inverts the selection on the device, without a host synchronisation: the grid of
-    _dkv_kernel is an upper bound on the number of chunks, known from the shapes. One
+    the key-major kernels is an upper bound on the number of chunks, known from the shapes. One
     kernel labels the entries, a sort groups them by key, a search finds each key's first
     entry, and two small kernels number the chunks and find each chunk's key (and
     position, where a second sort then gives the launch order). Few launches matter here:
