@@ -218,7 +218,7 @@ def selection_figure(rows: list[dict], configs: dict[str, str]) -> Figure:
             if points:
                 axes.plot(*zip(*points), marker="o", color=f"C{index}", label=label)
         axes.plot(lengths, [2 * row["gather"] for row in config_rows], ":", color="0.3",
-                  label="2 x K/V gather floor")
+                  label="2 x K/V gather floor (query-side passes)")
         _length_axis(axes, lengths)
         axes.set_yscale("log")
         axes.set_ylabel("forward + backward (ms)")

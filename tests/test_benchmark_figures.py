@@ -117,7 +117,7 @@ def test_selection_figure_one_panel_per_config_with_each_measured_time():
     assert lines["SDPA flash (dense causal)"] == ([1024, 8192, 32768], [0.4, 12.7, 189.2])
     assert lines["SDPA cuDNN (dense causal)"] == ([1024, 8192], [0.25, 7.7])
     assert lines["PyTorch reference"] == ([1024, 8192], [8.9, 41.0])
-    assert lines["2 x K/V gather floor"][1] == pytest.approx([0.3, 3.3, 15.92])
+    assert lines["2 x K/V gather floor (query-side passes)"][1] == pytest.approx([0.3, 3.3, 15.92])
     assert panel_a.get_yscale() == "log"
     assert _lines(panel_b)["NSA selection kernel"] == ([32768], [9.6])
 
