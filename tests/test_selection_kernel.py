@@ -255,11 +255,11 @@ CASES = {
     "atomic_dq_with_sel_scale": Case(hq=4, hk=2, n=30, d=16, num_slots=2, window=7,
                                      launch=(("atomic_dq", True),)),
     # The forward key-major over the inverted selection: with sel_scale, a window, chunks of
-    # 3 entries in fine tiles, per query head, non-causal, fp16 strided.
+    # 20 entries in 16-row steps of fine tiles, per query head, non-causal, fp16 strided.
     "key_major_group3_d48_sliding": Case(hq=6, hk=2, n=37, d=48, window=20, launch=(("key_major_forward", True),)),
     "key_major_block32_fine16_chunks": Case(hq=2, hk=1, n=40, d=16, block_size=32, num_slots=2,
-                                            launch=(("key_major_forward", True), ("fine_n", 16), ("dkv_chunk", 3),
-                                                    ("dkv_rows", 16))),
+                                            launch=(("key_major_forward", True), ("fine_n", 16), ("dkv_chunk", 20),
+                                                    ("dkv_rows", 16), ("key_major_rows", 16))),
     "key_major_non_causal_sliding_per_head": Case(hq=2, hk=1, n=29, d=16, causal=False, window=6,
                                                   per_query_head=True, launch=(("key_major_forward", True),)),
     "key_major_group1_d24_int32_indices": Case(hq=2, hk=2, n=33, d=24, num_slots=2, window=5, sel_scale=False,

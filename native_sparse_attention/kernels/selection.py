@@ -788,7 +788,9 @@ class LaunchConfig:
     sel_scale; see ``default_launch_config``).
     ``key_major_forward``: a training forward (queries at every key) runs the selection
     key-major (``_key_major_fwd_kernel``) over the inverted selection, which it then
-    computes first, instead of gathering each query's blocks.
+    computes first, instead of gathering each query's blocks; its programs take
+    ``key_major_rows`` query rows per step, in ``key_major_warps`` warps and
+    ``key_major_stages`` stages (and the dK / dV pass's ``dkv_chunk`` entries).
     """
 
     fine_n: int = 64
@@ -816,6 +818,9 @@ class LaunchConfig:
     window_stages: int = 2
     atomic_dq: bool = False
     key_major_forward: bool = False
+    key_major_rows: int = 64
+    key_major_warps: int = 4
+    key_major_stages: int = 2
 
 
 def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sliding: bool = False,
@@ -884,8 +889,8 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
 
     Training forwards whose 2-byte selections are shared by at most
     KEY_MAJOR_FORWARD_MAX_SHARED_HEADS query heads run key-major (``key_major_forward``, on
-    the dK / dV pass's rows, chunks, warps and stages) from KEY_MAJOR_FORWARD_MIN_QUERIES
-    queries on, up to d = 64 from twice as many. The op's forward / forward + backward,
+    the dK / dV pass's chunks) from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64
+    from twice as many. The op's forward / forward + backward,
     query-side against key-major, same selections with a window of 512, n = 32768 (8192): 16
     heads on 4 kv heads, d = 64: 4.34 -> 3.31 / 7.08 -> 6.00 ms (0.90 -> 0.89 / 1.82 ->
     1.55); 32 on 8, d = 128: 18.2 -> 8.49 / 28.4 -> 18.5 ms (4.13 -> 2.18 / 6.60 -> 4.66).
@@ -896,7 +901,14 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     below 16384 queries it gains too little on the GPU to make up for that (kernel time of
     the forward at n = 4096: 0.35 -> 0.42 ms; at 8192: 0.805 -> 0.800, while the eager
     forward + backward took 1.46 -> 2.16 ms; at 16384: 1.84 -> 1.51 ms, 2.87 -> 2.52 ms); at
-    d = 128 the forward's gain at 8192 outweighs it."""
+    d = 128 the forward's gain at 8192 outweighs it. Those figures ran on the dK / dV pass's
+    rows, warps and stages; the key-major forward's own, 64-row steps in four warps and two
+    stages, took them to 2.80 / 5.42 ms (0.77 / 2.44) at 16 on 4, d = 64, and 7.82 / 17.6 ms
+    (2.00 / 4.44) at 32 on 8, d = 128. Forward alone without a window, 32 on 8, d = 128
+    (16 on 4, d = 64), n = 32768: 7.69 (3.04) ms on the dK / dV pass's 16-row (64-row)
+    steps of three (four) stages, 7.05 (2.56) on 64-row steps of two; 32-row steps of two
+    stages 7.62 (2.54), 128-row ones 10.4 (2.46), three stages 8.26 (2.97), eight warps
+    9.9-12.5 ms at d = 128."""
     if queries is not None and queries <= FEW_QUERIES:
         config = default_launch_config(block_size, head_dim, dtype, sliding, shared_heads)
         config = replace(config, window_fwd_warps=None, window_rows=MIN_ROWS, key_major_forward=False)
@@ -1184,12 +1196,12 @@ def _key_major_forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, ta
             CHUNKS_ORDERED=ordered,
             Q_ROWS=_row_layout(q),
             OUTPUT=output,
-            M=max(config.dkv_rows, rows_per_entry),
+            M=max(config.key_major_rows, rows_per_entry),
             CHUNK=config.dkv_chunk,
             CHUNK_PAD=next_power_of_2(config.dkv_chunk),
             DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=config.dkv_warps,
-            num_stages=config.dkv_stages,
+            num_warps=config.key_major_warps,
+            num_stages=config.key_major_stages,
         )
 
     run(output=False)
