@@ -1170,6 +1170,30 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
     return out, lse, swa_out, swa_lse, merged
 
 
+def _key_side_launch(problem: _Problem, table: KeyBlockEntries,
+                     q: torch.Tensor) -> tuple[tuple[int, int], tuple, dict]:
+    """(grid, table operands, constexprs) that the kernels over the inverted selection
+    (``_key_major_fwd_kernel``, ``_dkv_kernel``) share: a program per chunk of a key
+    block's entries and fine tile of the block, ``dkv_chunk`` entries a chunk."""
+    ordered = table.chunk_order is not None
+    grid = (table.chunk_key.numel(), problem.block_size // problem.fine_n)
+    operands = (table.entries, table.first_entry, table.first_chunk, table.chunk_key,
+                table.chunk_order if ordered else table.chunk_key)
+    names = ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D", "D_PAD", "CAUSAL", "HAS_SEL_SCALE")
+    chunk = problem.config.dkv_chunk
+    constexprs = dict(
+        {name: problem.constexprs[name] for name in names},
+        ROWS_PER_ENTRY=next_power_of_2(problem.query_heads // problem.selection_heads),
+        QUERY_ORDERED=problem.selection_heads == problem.kv_heads,
+        CHUNKS_ORDERED=ordered,
+        Q_ROWS=_row_layout(q),
+        CHUNK=chunk,
+        CHUNK_PAD=next_power_of_2(chunk),
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
+    return grid, operands, constexprs
+
+
 def _key_major_forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, table: KeyBlockEntries):
     """(out [b, hq, n, d], lse [b, hq, n] float32) of the selection, key-major: the rows'
     statistics per key tile, their LSE, then P V added per key tile (``_key_major_fwd_kernel``)."""
@@ -1180,26 +1204,16 @@ def _key_major_forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, ta
     lse2 = _empty((b, hq, n), torch.float32, q.device)
     lse = _empty((b, hq, n), torch.float32, q.device)
     out_acc = torch.zeros((b, hq, n, d), dtype=torch.float32, device=q.device)
-    ordered = table.chunk_order is not None
-    rows_per_entry = next_power_of_2(hq // hs)
+    grid, table_operands, shared = _key_side_launch(problem, table, q)
 
     def run(output: bool) -> None:
-        launch(_key_major_fwd_kernel, (table.chunk_key.numel(), tiles_per_block),
-            q, k, v, sel_scale, table.entries, table.first_entry, table.first_chunk, table.chunk_key,
-            table.chunk_order if ordered else table.chunk_key, stats, lse2, out_acc,
+        launch(_key_major_fwd_kernel, grid,
+            q, k, v, sel_scale, *table_operands, stats, lse2, out_acc,
             *_strides(q), *_strides(k), *_strides(v),
             n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
-            **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
-                                                    "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
-            ROWS_PER_ENTRY=rows_per_entry,
-            QUERY_ORDERED=hs == hk,
-            CHUNKS_ORDERED=ordered,
-            Q_ROWS=_row_layout(q),
+            **shared,
             OUTPUT=output,
-            M=max(config.key_major_rows, rows_per_entry),
-            CHUNK=config.dkv_chunk,
-            CHUNK_PAD=next_power_of_2(config.dkv_chunk),
-            DOT_PRECISION=dot_precision(q.dtype),
+            M=max(config.key_major_rows, shared["ROWS_PER_ENTRY"]),
             num_warps=config.key_major_warps,
             num_stages=config.key_major_stages,
         )
@@ -1281,26 +1295,16 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
     else:
         dq_launches()
     if constexprs["NUM_SETS"]:
-        ordered = table.chunk_order is not None
-        rows_per_entry = next_power_of_2(hq // hs)
-        launch(_dkv_kernel, (table.chunk_key.numel(), problem.block_size // problem.fine_n),
-            q, k, v, d_out, row_stats, sel_scale_arg, table.entries, table.first_entry, table.first_chunk,
-            table.chunk_key, table.chunk_order if ordered else table.chunk_key, dk_acc, dv_acc,
+        grid, table_operands, shared = _key_side_launch(problem, table, q)
+        launch(_dkv_kernel, grid,
+            q, k, v, d_out, row_stats, sel_scale_arg, *table_operands, dk_acc, dv_acc,
             dk_acc if dq_acc is None else dq_acc,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
             n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
-            **{name: constexprs[name] for name in ("SEL", "NUM_SETS", "BLOCK_SIZE", "FINE_N", "SEL_SHARED_HEADS", "D",
-                                                    "D_PAD", "CAUSAL", "HAS_SEL_SCALE")},
-            ROWS_PER_ENTRY=rows_per_entry,
-            QUERY_ORDERED=hs == hk,
-            CHUNKS_ORDERED=ordered,
-            Q_ROWS=_row_layout(q),
+            **shared,
             DO_ROWS=_row_layout(d_out),
             ATOMIC_DQ=atomic_dq,
-            M=max(config.dkv_rows, rows_per_entry),
-            CHUNK=config.dkv_chunk,
-            CHUNK_PAD=next_power_of_2(config.dkv_chunk),
-            DOT_PRECISION=precision,
+            M=max(config.dkv_rows, shared["ROWS_PER_ENTRY"]),
             num_warps=config.dkv_warps,
             num_stages=config.dkv_stages,
             **({} if config.dkv_max_registers is None else {"maxnreg": config.dkv_max_registers}),
