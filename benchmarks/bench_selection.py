@@ -411,9 +411,9 @@ def _small_group_text(b: dict | None) -> str:
         f"added atomically). At 32k: forward {_ms(parts.get('forward'))} ms, dQ pass "
         f"{_ms(parts.get('dQ pass'))} ms, dK/dV pass {_ms(parts.get('dK/dV pass'))} ms. A selected block is then "
         "read once per chunk of the entries that attend it, not once per query, which is how B's forward runs "
-        f"at {b['fwd'] / b['gather']:.2f}× the gather floor. Below {first} queries the key-major forward does "
-        "not pay at d = 64: it needs the inversion before its launches, about 1 ms of host time per call, for "
-        "little kernel time saved."
+        f"at {b['fwd'] / b['gather']:.2f}× the gather floor. Below {first} queries the forward stays query-side "
+        "at d = 64: the key-major one needs the inversion before its launches, about 1 ms of host time per call, "
+        "for less kernel time saved."
     )
 
 

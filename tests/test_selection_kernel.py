@@ -575,8 +575,8 @@ def _key_major_forward(monkeypatch, key_major: bool):
                         lambda *args, **kwargs: replace(tuned(*args, **kwargs), key_major_forward=key_major))
 
 
-# The tuned 2-byte defaults take the key-major forward only from KEY_MAJOR_FORWARD_MIN_QUERIES
-# queries on; these run it at 4096.
+# The tuned 2-byte defaults take the key-major forward only for groups of at most 4 from
+# KEY_MAJOR_FORWARD_MIN_QUERIES queries on; these cases force it whatever their group and length.
 KEY_MAJOR_GPU_CASES = ("shared_group4_d64_sliding_bf16", "per_head_group3_d48_non_causal_fp16",
                        "group1_d96_fp16_int32", "atomic_dq_group4_d128_sliding_bf16")
 

@@ -176,7 +176,7 @@ ATOMIC_DQ_MAX_SHARED_HEADS = 8
 # query heads run key-major from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64 from
 # twice as many (LaunchConfig.key_major_forward; measured in default_launch_config's docstring).
 KEY_MAJOR_FORWARD_MAX_SHARED_HEADS = 4
-KEY_MAJOR_FORWARD_MIN_QUERIES = 8192
+KEY_MAJOR_FORWARD_MIN_QUERIES = 2048
 # Memory layouts of the [Z, HQ, N, D] rows that _dkv_kernel gathers (see _gathered_rows).
 ROWS_STRIDED = tl.constexpr(0)
 ROWS_HEADS_MAJOR = tl.constexpr(1)  # contiguous [Z, HQ, N, D]
@@ -499,6 +499,22 @@ def _chunk_of_entries(ENTRIES, KEY_FIRST_ENTRY, KEY_FIRST_CHUNK, key, chunk, til
 
 
 @triton.jit
+def _program_key_tile(CHUNK_KEY, CHUNK_ORDER, HKV, NUM_BLOCKS, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
+                      CHUNKS_ORDERED: tl.constexpr):
+    """(chunk, key, z, kv_head, tile_start, pos) of this program of the key-side grid
+    (``_key_side_launch``): program (p, t) takes chunk CHUNK_ORDER[p] (p when not
+    CHUNKS_ORDERED) of key ``key`` = (z * HKV + kv_head) * NUM_BLOCKS + block, and the
+    block's fine tile t, keys ``pos`` [FINE_N] from ``tile_start``. ``key`` is NUM_KEYS or
+    more for a spare program past the last chunk."""
+    chunk = tl.load(CHUNK_ORDER + tl.program_id(0)) if CHUNKS_ORDERED else tl.program_id(0)
+    key = tl.load(CHUNK_KEY + chunk)
+    z = key // (HKV * NUM_BLOCKS)
+    kv_head = (key // NUM_BLOCKS) % HKV
+    tile_start = (key % NUM_BLOCKS) * BLOCK_SIZE + tl.program_id(1) * FINE_N
+    return chunk, key, z, kv_head, tile_start, tile_start + tl.arange(0, FINE_N)
+
+
+@triton.jit
 def _row_stats_offsets(z, head, i, N, HQ):
     """[len(head), 2] offsets of rows ``[z, head, i]``'s (base-2 LSE, delta) pair in ROW_STATS."""
     return ((z.to(tl.int64) * N + i) * HQ + head)[:, None] * 2 + tl.arange(0, 2)[None, :]
@@ -582,13 +598,9 @@ def _dkv_kernel(
     Q_ROWS, DO_ROWS: the memory layouts of q and dO (ROWS_*). CHUNKS_ORDERED: program p
     takes chunk CHUNK_ORDER[p], else chunk p (``KeyBlockEntries``). ATOMIC_DQ: the steps
     also add their rows' dQ to DQ_ACC (``_dkv_step``)."""
-    chunk = tl.load(CHUNK_ORDER + tl.program_id(0)) if CHUNKS_ORDERED else tl.program_id(0)
-    key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
+    chunk, key, z, kv_head, tile_start, pos = _program_key_tile(CHUNK_KEY, CHUNK_ORDER, HKV, NUM_BLOCKS, BLOCK_SIZE,
+                                                                FINE_N, CHUNKS_ORDERED)
     if key < NUM_KEYS:  # else a spare program past the last chunk
-        z = key // (HKV * NUM_BLOCKS)
-        kv_head = (key // NUM_BLOCKS) % HKV
-        tile_start = (key % NUM_BLOCKS) * BLOCK_SIZE + tl.program_id(1) * FINE_N
-        pos = tile_start + tl.arange(0, FINE_N)
         key_ok = pos < N
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < D
@@ -688,14 +700,10 @@ def _key_major_fwd_kernel(
     normalised P V, added to
     O_ACC [Z, HQ, N, D] float32. Each key tile is loaded once for all the queries that
     selected it, where the query-major ``_fwd_kernel`` gathers it once per query."""
-    chunk = tl.load(CHUNK_ORDER + tl.program_id(0)) if CHUNKS_ORDERED else tl.program_id(0)
-    key = tl.load(CHUNK_KEY + chunk)  # (z * HKV + kv_head) * NUM_BLOCKS + block
+    chunk, key, z, kv_head, tile_start, pos = _program_key_tile(CHUNK_KEY, CHUNK_ORDER, HKV, NUM_BLOCKS, BLOCK_SIZE,
+                                                                FINE_N, CHUNKS_ORDERED)
     if key < NUM_KEYS:  # else a spare program past the last chunk
-        z = key // (HKV * NUM_BLOCKS)
-        kv_head = (key // NUM_BLOCKS) % HKV
         tile = tl.program_id(1)
-        tile_start = (key % NUM_BLOCKS) * BLOCK_SIZE + tile * FINE_N
-        pos = tile_start + tl.arange(0, FINE_N)
         key_ok = pos < N
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < D
@@ -895,20 +903,25 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     heads on 4 kv heads, d = 64: 4.34 -> 3.31 / 7.08 -> 6.00 ms (0.90 -> 0.89 / 1.82 ->
     1.55); 32 on 8, d = 128: 18.2 -> 8.49 / 28.4 -> 18.5 ms (4.13 -> 2.18 / 6.60 -> 4.66).
     Groups of 8 lose: 16 on 2, d = 128: 4.68 -> 5.88 / 10.5 -> 11.6 ms (1.07 -> 1.26 / 2.35
-    -> 2.52); so do groups of 16: 32 on 2, d = 64: 2.54 -> 6.42 / 7.49 -> 11.2 ms. The
-    key-major forward issues the selection's inversion and three launches: about 1.0 ms of
-    host time per call against 0.2-0.4 ms (16 heads on 4 kv heads, d = 64, no window). There
-    below 16384 queries it gains too little on the GPU to make up for that (kernel time of
-    the forward at n = 4096: 0.35 -> 0.42 ms; at 8192: 0.805 -> 0.800, while the eager
-    forward + backward took 1.46 -> 2.16 ms; at 16384: 1.84 -> 1.51 ms, 2.87 -> 2.52 ms); at
-    d = 128 the forward's gain at 8192 outweighs it. Those figures ran on the dK / dV pass's
-    rows, warps and stages; the key-major forward's own, 64-row steps in four warps and two
-    stages, took them to 2.80 / 5.42 ms (0.77 / 2.44) at 16 on 4, d = 64, and 7.82 / 17.6 ms
-    (2.00 / 4.44) at 32 on 8, d = 128. Forward alone without a window, 32 on 8, d = 128
-    (16 on 4, d = 64), n = 32768: 7.69 (3.04) ms on the dK / dV pass's 16-row (64-row)
-    steps of three (four) stages, 7.05 (2.56) on 64-row steps of two; 32-row steps of two
-    stages 7.62 (2.54), 128-row ones 10.4 (2.46), three stages 8.26 (2.97), eight warps
-    9.9-12.5 ms at d = 128."""
+    -> 2.52); so do groups of 16: 32 on 2, d = 64: 2.54 -> 6.42 / 7.49 -> 11.2 ms. Those
+    figures ran on the dK / dV pass's rows, warps and stages; the key-major forward's own,
+    64-row steps in four warps and two stages, took them to 2.80 / 5.42 ms (0.77 / 2.44) at
+    16 on 4, d = 64, and 7.82 / 17.6 ms (2.00 / 4.44) at 32 on 8, d = 128. Forward alone
+    without a window, 32 on 8, d = 128 (16 on 4, d = 64), n = 32768: 7.69 (3.04) ms on the
+    dK / dV pass's 16-row (64-row) steps of three (four) stages, 7.05 (2.56) on 64-row steps
+    of two; 32-row steps of two stages 7.62 (2.54), 128-row ones 10.4 (2.46), three stages
+    8.26 (2.97), eight warps 9.9-12.5 ms at d = 128.
+
+    The key-major forward issues the selection's inversion and three launches: about 1.0 ms
+    of host time per call against 0.2-0.4 ms, which a step launched eagerly from Python
+    pays at every length, and a step replayed from a CUDA graph or compiled does not. On
+    the GPU it is ahead from 2048 queries on: the layer's forward + backward replayed from
+    a CUDA graph (dim 2048 at d = 64, 4096 at d = 128, window 512), query-side -> key-major,
+    n = 2048 / 4096 / 8192: 32 on 8, d = 64: 1.28 -> 1.24 / 2.49 -> 2.28 / 5.12 -> 4.47 ms;
+    16 on 4, d = 64: - / 1.40 -> 1.34 / 2.72 -> 2.46 ms; 32 on 8, d = 128: 3.07 -> 2.70 /
+    6.23 -> 5.25 ms. The eager steps of those lengths are bound by the host (6-11 ms issued
+    for 1.2-6 ms of GPU work), and a d = 64 step at 2048 gains 0.04 ms for the extra 0.7
+    ms, so d = 64 waits for 4096 queries."""
     if queries is not None and queries <= FEW_QUERIES:
         config = default_launch_config(block_size, head_dim, dtype, sliding, shared_heads)
         config = replace(config, window_fwd_warps=None, window_rows=MIN_ROWS, key_major_forward=False)
