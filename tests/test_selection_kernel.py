@@ -301,6 +301,10 @@ def test_small_groups_of_2_byte_inputs_run_the_forward_key_major():
                                                                  queries=queries)
                 assert config.key_major_forward is (key_major and queries == shortest), (shared_heads, queries)
     assert not selection_kernels.default_launch_config(64, 64, torch.float32, True, shared_heads=1).key_major_forward
+    smallest = selection_kernels.KEY_MAJOR_FORWARD_MIN_BLOCK
+    for block_size in (smallest // 2, smallest):
+        config = selection_kernels.default_launch_config(block_size, 64, torch.bfloat16, True, shared_heads=1)
+        assert config.key_major_forward is (block_size == smallest), block_size
 
 
 # case, q_offset: the last n - q_offset queries of the case, as a decoding step (one query)

@@ -173,9 +173,11 @@ FEW_QUERIES = 16  # forwards of at most this many queries: see default_launch_co
 # (LaunchConfig.atomic_dq; measured in default_launch_config's docstring).
 ATOMIC_DQ_MAX_SHARED_HEADS = 8
 # Training forwards of 2-byte selections shared by at most KEY_MAJOR_FORWARD_MAX_SHARED_HEADS
-# query heads run key-major from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64 from
-# twice as many (LaunchConfig.key_major_forward; measured in default_launch_config's docstring).
+# query heads, in blocks of at least KEY_MAJOR_FORWARD_MIN_BLOCK keys, run key-major from
+# KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64 from twice as many
+# (LaunchConfig.key_major_forward; measured in default_launch_config's docstring).
 KEY_MAJOR_FORWARD_MAX_SHARED_HEADS = 4
+KEY_MAJOR_FORWARD_MIN_BLOCK = 32
 KEY_MAJOR_FORWARD_MIN_QUERIES = 2048
 # Memory layouts of the [Z, HQ, N, D] rows that _dkv_kernel gathers (see _gathered_rows).
 ROWS_STRIDED = tl.constexpr(0)
@@ -896,8 +898,9 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     bf16's rounding.
 
     Training forwards whose 2-byte selections are shared by at most
-    KEY_MAJOR_FORWARD_MAX_SHARED_HEADS query heads run key-major (``key_major_forward``, on
-    the dK / dV pass's chunks) from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64
+    KEY_MAJOR_FORWARD_MAX_SHARED_HEADS query heads, in blocks of at least
+    KEY_MAJOR_FORWARD_MIN_BLOCK keys, run key-major (``key_major_forward``, on the dK / dV
+    pass's chunks) from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64
     from twice as many. The op's forward / forward + backward,
     query-side against key-major, same selections with a window of 512, n = 32768 (8192): 16
     heads on 4 kv heads, d = 64: 4.34 -> 3.31 / 7.08 -> 6.00 ms (0.90 -> 0.89 / 1.82 ->
@@ -921,7 +924,15 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     16 on 4, d = 64: - / 1.40 -> 1.34 / 2.72 -> 2.46 ms; 32 on 8, d = 128: 3.07 -> 2.70 /
     6.23 -> 5.25 ms. The eager steps of those lengths are bound by the host (6-11 ms issued
     for 1.2-6 ms of GPU work), and a d = 64 step at 2048 gains 0.04 ms for the extra 0.7
-    ms, so d = 64 waits for 4096 queries."""
+    ms, so d = 64 waits for 4096 queries. Blocks of 16 keys lose at every length: each
+    entry's output takes an atomic add per 16 keys, and a step's dots are 16 keys wide
+    (an H200, the same steps, window 64 and 4 selected or window 512 and 16 selected; 8
+    query heads on 4 kv heads of d = 64 at dim 512, the ``enwik8`` preset's layer: 0.57 ->
+    0.59 ms at 4096, 2.12 -> 2.14 at 16384; 32 on 8, d = 64: 2.72 -> 2.85 and 3.80 -> 3.96
+    at 8192, 16.9 -> 17.2 and 19.9 -> 20.2 at 32768), and so did the preset's training
+    step (9.30 -> 9.48 ms at 4096 tokens, replayed). Blocks of 32 (8 selected, window 256)
+    gain: 32 on 8, d = 64: 3.19 -> 3.15 ms at 8192, 15.6 -> 15.4 at 32768; d = 128 (dim
+    4096): 9.16 -> 8.40 at 8192."""
     if queries is not None and queries <= FEW_QUERIES:
         config = default_launch_config(block_size, head_dim, dtype, sliding, shared_heads)
         config = replace(config, window_fwd_warps=None, window_rows=MIN_ROWS, key_major_forward=False)
@@ -932,7 +943,8 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     atomic_dq = shared_heads <= ATOMIC_DQ_MAX_SHARED_HEADS
     if dtype.itemsize == 2:
         min_queries = KEY_MAJOR_FORWARD_MIN_QUERIES * (2 if head_dim <= 64 else 1)
-        key_major = shared_heads <= KEY_MAJOR_FORWARD_MAX_SHARED_HEADS and (queries is None or queries >= min_queries)
+        key_major = (shared_heads <= KEY_MAJOR_FORWARD_MAX_SHARED_HEADS and block_size >= KEY_MAJOR_FORWARD_MIN_BLOCK
+                     and (queries is None or queries >= min_queries))
         if head_dim <= 64:
             return LaunchConfig(
                 fwd_warps=1, window_rows=128, window_n=64, window_fwd_warps=8, window_fwd_stages=3, dq_warps=1,
