@@ -919,10 +919,10 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     of host time per call against 0.2-0.4 ms, which a step launched eagerly from Python
     pays at every length, and a step replayed from a CUDA graph or compiled does not. On
     the GPU it is ahead from 2048 queries on: the layer's forward + backward replayed from
-    a CUDA graph (dim 2048 at d = 64, 4096 at d = 128, window 512), query-side -> key-major,
-    n = 2048 / 4096 / 8192: 32 on 8, d = 64: 1.28 -> 1.24 / 2.49 -> 2.28 / 5.12 -> 4.47 ms;
-    16 on 4, d = 64: - / 1.40 -> 1.34 / 2.72 -> 2.46 ms; 32 on 8, d = 128: 3.07 -> 2.70 /
-    6.23 -> 5.25 ms. The eager steps of those lengths are bound by the host (6-11 ms issued
+    a CUDA graph (an H100; dim 2048 at d = 64, 4096 at d = 128, window 512), query-side ->
+    key-major, n = 2048 / 4096 / 8192: 32 on 8, d = 64: 1.28 -> 1.24 / 2.49 -> 2.28 / 5.12
+    -> 4.47 ms; 16 on 4, d = 64, n = 4096 / 8192: 1.40 -> 1.34 / 2.72 -> 2.46 ms; 32 on 8,
+    d = 128, n = 2048 / 4096: 3.07 -> 2.70 / 6.23 -> 5.25 ms. The eager steps of those lengths are bound by the host (6-11 ms issued
     for 1.2-6 ms of GPU work), and a d = 64 step at 2048 gains 0.04 ms for the extra 0.7
     ms, so d = 64 waits for 4096 queries. Blocks of 16 keys lose at every length: each
     entry's output takes an atomic add per 16 keys, and a step's dots are 16 keys wide
