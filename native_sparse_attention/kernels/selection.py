@@ -922,10 +922,11 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     a CUDA graph (an H100; dim 2048 at d = 64, 4096 at d = 128, window 512), query-side ->
     key-major, n = 2048 / 4096 / 8192: 32 on 8, d = 64: 1.28 -> 1.24 / 2.49 -> 2.28 / 5.12
     -> 4.47 ms; 16 on 4, d = 64, n = 4096 / 8192: 1.40 -> 1.34 / 2.72 -> 2.46 ms; 32 on 8,
-    d = 128, n = 2048 / 4096: 3.07 -> 2.70 / 6.23 -> 5.25 ms. The eager steps of those lengths are bound by the host (6-11 ms issued
-    for 1.2-6 ms of GPU work), and a d = 64 step at 2048 gains 0.04 ms for the extra 0.7
-    ms, so d = 64 waits for 4096 queries. Blocks of 16 keys lose at every length: each
-    entry's output takes an atomic add per 16 keys, and a step's dots are 16 keys wide
+    d = 128, n = 2048 / 4096: 3.07 -> 2.70 / 6.23 -> 5.25 ms. The eager steps of those
+    lengths are bound by the host (6-11 ms issued for 1.2-6 ms of GPU work), and a d = 64
+    step at 2048 gains 0.04 ms for the extra 0.7 ms, so d = 64 waits for 4096 queries.
+    Blocks of 16 keys lose at every length: each entry's output takes an atomic add per 16
+    keys, and a step's dots are 16 keys wide
     (an H200, the same steps, window 64 and 4 selected or window 512 and 16 selected; 8
     query heads on 4 kv heads of d = 64 at dim 512, the ``enwik8`` preset's layer: 0.57 ->
     0.59 ms at 4096, 2.12 -> 2.14 at 16384; 32 on 8, d = 64: 2.72 -> 2.85 and 3.80 -> 3.96
