@@ -300,6 +300,10 @@ def test_small_groups_of_2_byte_inputs_run_the_forward_key_major():
                 config = selection_kernels.default_launch_config(64, head_dim, dtype, True, shared_heads=shared_heads,
                                                                  queries=queries)
                 assert config.key_major_forward is (key_major and queries == shortest), (shared_heads, queries)
+            for batch in (1, 2):
+                config = selection_kernels.default_launch_config(64, head_dim, dtype, True, shared_heads=shared_heads,
+                                                                 queries=shortest // 2, batch=batch)
+                assert config.key_major_forward is (key_major and batch == 2), (shared_heads, batch)
     assert not selection_kernels.default_launch_config(64, 64, torch.float32, True, shared_heads=1).key_major_forward
     smallest = selection_kernels.KEY_MAJOR_FORWARD_MIN_BLOCK
     for block_size in (smallest // 2, smallest):

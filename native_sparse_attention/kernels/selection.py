@@ -174,7 +174,7 @@ FEW_QUERIES = 16  # forwards of at most this many queries: see default_launch_co
 ATOMIC_DQ_MAX_SHARED_HEADS = 8
 # Training forwards of 2-byte selections shared by at most KEY_MAJOR_FORWARD_MAX_SHARED_HEADS
 # query heads, in blocks of at least KEY_MAJOR_FORWARD_MIN_BLOCK keys, run key-major from
-# KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64 from twice as many
+# KEY_MAJOR_FORWARD_MIN_QUERIES queries on (over the batch), up to d = 64 from twice as many
 # (LaunchConfig.key_major_forward; measured in default_launch_config's docstring).
 KEY_MAJOR_FORWARD_MAX_SHARED_HEADS = 4
 KEY_MAJOR_FORWARD_MIN_BLOCK = 32
@@ -834,9 +834,10 @@ class LaunchConfig:
 
 
 def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sliding: bool = False,
-                          shared_heads: int = 1, queries: int | None = None) -> LaunchConfig:
+                          shared_heads: int = 1, queries: int | None = None, batch: int = 1) -> LaunchConfig:
     """The configuration measured fastest on an H100 for the benchmarks' configurations
-    (docs/benchmarks.md), ``shared_heads`` being the query heads of one selection.
+    (docs/benchmarks.md), ``shared_heads`` being the query heads of one selection and
+    ``queries`` the length of each of ``batch`` sequences.
 
     A forward of at most ``FEW_QUERIES`` ``queries`` (a decoding step) runs its window in
     the selection's launch, one position per window tile: a launch of its own would cost
@@ -900,9 +901,9 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     Training forwards whose 2-byte selections are shared by at most
     KEY_MAJOR_FORWARD_MAX_SHARED_HEADS query heads, in blocks of at least
     KEY_MAJOR_FORWARD_MIN_BLOCK keys, run key-major (``key_major_forward``, on the dK / dV
-    pass's chunks) from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64
-    from twice as many. The op's forward / forward + backward,
-    query-side against key-major, same selections with a window of 512, n = 32768 (8192): 16
+    pass's chunks) from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64 from twice
+    as many, counting the queries of every sequence of the batch. The op's forward /
+    forward + backward, query-side against key-major, same selections with a window of 512, n = 32768 (8192): 16
     heads on 4 kv heads, d = 64: 4.34 -> 3.31 / 7.08 -> 6.00 ms (0.90 -> 0.89 / 1.82 ->
     1.55); 32 on 8, d = 128: 18.2 -> 8.49 / 28.4 -> 18.5 ms (4.13 -> 2.18 / 6.60 -> 4.66).
     Groups of 8 lose: 16 on 2, d = 128: 4.68 -> 5.88 / 10.5 -> 11.6 ms (1.07 -> 1.26 / 2.35
@@ -933,7 +934,12 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     at 8192, 16.9 -> 17.2 and 19.9 -> 20.2 at 32768), and so did the preset's training
     step (9.30 -> 9.48 ms at 4096 tokens, replayed). Blocks of 32 (8 selected, window 256)
     gain: 32 on 8, d = 64: 3.19 -> 3.15 ms at 8192, 15.6 -> 15.4 at 32768; d = 128 (dim
-    4096): 9.16 -> 8.40 at 8192."""
+    4096): 9.16 -> 8.40 at 8192.
+
+    The host time is per call and the gain grows with the rows of the whole batch, so the
+    threshold counts ``batch * queries``: sequences of 2048 at d = 64 (H100, replayed, six
+    alternating rounds), 32 on 8 kv heads: 2.28 -> 2.13 ms in a batch of 2, 4.27 -> 3.94 in
+    a batch of 4; 16 on 4: 2.30 -> 2.21 ms in a batch of 4."""
     if queries is not None and queries <= FEW_QUERIES:
         config = default_launch_config(block_size, head_dim, dtype, sliding, shared_heads)
         config = replace(config, window_fwd_warps=None, window_rows=MIN_ROWS, key_major_forward=False)
@@ -945,7 +951,7 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     if dtype.itemsize == 2:
         min_queries = KEY_MAJOR_FORWARD_MIN_QUERIES * (2 if head_dim <= 64 else 1)
         key_major = (shared_heads <= KEY_MAJOR_FORWARD_MAX_SHARED_HEADS and block_size >= KEY_MAJOR_FORWARD_MIN_BLOCK
-                     and (queries is None or queries >= min_queries))
+                     and (queries is None or batch * queries >= min_queries))
         if head_dim <= 64:
             return LaunchConfig(
                 fwd_warps=1, window_rows=128, window_n=64, window_fwd_warps=8, window_fwd_stages=3, dq_warps=1,
@@ -1386,7 +1392,8 @@ def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, 
         window=window,
         scale=scale,
         has_sel_scale=has_sel_scale,
-        config=default_launch_config(block_size, d, q.dtype, window is not None, shared_heads=hq // hs, queries=n),
+        config=default_launch_config(block_size, d, q.dtype, window is not None, shared_heads=hq // hs,
+                                     queries=n, batch=b),
         num_keys=k.shape[2],
         q_offset=q_offset,
     )
