@@ -937,9 +937,11 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     4096): 9.16 -> 8.40 at 8192.
 
     The host time is per call and the gain grows with the rows of the whole batch, so the
-    threshold counts ``batch * queries``: sequences of 2048 at d = 64 (H100, replayed, six
-    alternating rounds), 32 on 8 kv heads: 2.28 -> 2.13 ms in a batch of 2, 4.27 -> 3.94 in
-    a batch of 4; 16 on 4: 2.30 -> 2.21 ms in a batch of 4."""
+    threshold counts ``batch * queries`` (H100, replayed, four to six alternating rounds):
+    sequences of 2048 at d = 64, 32 on 8 kv heads: 2.28 -> 2.13 ms in a batch of 2, 4.27 ->
+    3.94 in a batch of 4; 16 on 4: 2.30 -> 2.21 ms in a batch of 4; sequences of 1024, 32 on
+    8, d = 64: 1.97 -> 1.89 ms in a batch of 4, 3.68 -> 3.43 in a batch of 8; d = 128 (dim
+    4096): 2.66 -> 2.43 ms in a batch of 2."""
     if queries is not None and queries <= FEW_QUERIES:
         config = default_launch_config(block_size, head_dim, dtype, sliding, shared_heads)
         config = replace(config, window_fwd_warps=None, window_rows=MIN_ROWS, key_major_forward=False)
