@@ -903,11 +903,11 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     KEY_MAJOR_FORWARD_MIN_BLOCK keys, run key-major (``key_major_forward``, on the dK / dV
     pass's chunks) from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64 from twice
     as many, counting the queries of every sequence of the batch. The op's forward /
-    forward + backward, query-side against key-major, same selections with a window of 512, n = 32768 (8192): 16
-    heads on 4 kv heads, d = 64: 4.34 -> 3.31 / 7.08 -> 6.00 ms (0.90 -> 0.89 / 1.82 ->
-    1.55); 32 on 8, d = 128: 18.2 -> 8.49 / 28.4 -> 18.5 ms (4.13 -> 2.18 / 6.60 -> 4.66).
-    Groups of 8 lose: 16 on 2, d = 128: 4.68 -> 5.88 / 10.5 -> 11.6 ms (1.07 -> 1.26 / 2.35
-    -> 2.52); so do groups of 16: 32 on 2, d = 64: 2.54 -> 6.42 / 7.49 -> 11.2 ms. Those
+    forward + backward, query-side against key-major, same selections with a window of
+    512, n = 32768 (8192): 16 heads on 4 kv heads, d = 64: 4.34 -> 3.31 / 7.08 -> 6.00 ms
+    (0.90 -> 0.89 / 1.82 -> 1.55); 32 on 8, d = 128: 18.2 -> 8.49 / 28.4 -> 18.5 ms (4.13
+    -> 2.18 / 6.60 -> 4.66). Groups of 8 lose: 16 on 2, d = 128: 4.68 -> 5.88 / 10.5 ->
+    11.6 ms (1.07 -> 1.26 / 2.35 -> 2.52); so do groups of 16: 32 on 2, d = 64: 2.54 -> 6.42 / 7.49 -> 11.2 ms. Those
     figures ran on the dK / dV pass's rows, warps and stages; the key-major forward's own,
     64-row steps in four warps and two stages, took them to 2.80 / 5.42 ms (0.77 / 2.44) at
     16 on 4, d = 64, and 7.82 / 17.6 ms (2.00 / 4.44) at 32 on 8, d = 128. Forward alone
