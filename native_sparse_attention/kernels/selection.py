@@ -901,20 +901,20 @@ def default_launch_config(block_size: int, head_dim: int, dtype: torch.dtype, sl
     Training forwards whose 2-byte selections are shared by at most
     KEY_MAJOR_FORWARD_MAX_SHARED_HEADS query heads, in blocks of at least
     KEY_MAJOR_FORWARD_MIN_BLOCK keys, run key-major (``key_major_forward``, on the dK / dV
-    pass's chunks) from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64 from twice
-    as many, counting the queries of every sequence of the batch. The op's forward /
-    forward + backward, query-side against key-major, same selections with a window of
-    512, n = 32768 (8192): 16 heads on 4 kv heads, d = 64: 4.34 -> 3.31 / 7.08 -> 6.00 ms
-    (0.90 -> 0.89 / 1.82 -> 1.55); 32 on 8, d = 128: 18.2 -> 8.49 / 28.4 -> 18.5 ms (4.13
-    -> 2.18 / 6.60 -> 4.66). Groups of 8 lose: 16 on 2, d = 128: 4.68 -> 5.88 / 10.5 ->
-    11.6 ms (1.07 -> 1.26 / 2.35 -> 2.52); so do groups of 16: 32 on 2, d = 64: 2.54 -> 6.42 / 7.49 -> 11.2 ms. Those
-    figures ran on the dK / dV pass's rows, warps and stages; the key-major forward's own,
-    64-row steps in four warps and two stages, took them to 2.80 / 5.42 ms (0.77 / 2.44) at
-    16 on 4, d = 64, and 7.82 / 17.6 ms (2.00 / 4.44) at 32 on 8, d = 128. Forward alone
-    without a window, 32 on 8, d = 128 (16 on 4, d = 64), n = 32768: 7.69 (3.04) ms on the
-    dK / dV pass's 16-row (64-row) steps of three (four) stages, 7.05 (2.56) on 64-row steps
-    of two; 32-row steps of two stages 7.62 (2.54), 128-row ones 10.4 (2.46), three stages
-    8.26 (2.97), eight warps 9.9-12.5 ms at d = 128.
+    pass's chunks) from KEY_MAJOR_FORWARD_MIN_QUERIES queries on, up to d = 64 from twice as
+    many, counting the queries of every sequence of the batch. The op's forward / forward +
+    backward, query-side against key-major, same selections with a window of 512, n = 32768
+    (8192): 16 heads on 4 kv heads, d = 64: 4.34 -> 3.31 / 7.08 -> 6.00 ms (0.90 -> 0.89 /
+    1.82 -> 1.55); 32 on 8, d = 128: 18.2 -> 8.49 / 28.4 -> 18.5 ms (4.13 -> 2.18 / 6.60 ->
+    4.66). Groups of 8 lose: 16 on 2, d = 128: 4.68 -> 5.88 / 10.5 -> 11.6 ms (1.07 -> 1.26
+    / 2.35 -> 2.52); so do groups of 16: 32 on 2, d = 64: 2.54 -> 6.42 / 7.49 -> 11.2 ms.
+    Those figures ran on the dK / dV pass's rows, warps and stages; the key-major forward's
+    own, 64-row steps in four warps and two stages, took them to 2.80 / 5.42 ms (0.77 /
+    2.44) at 16 on 4, d = 64, and 7.82 / 17.6 ms (2.00 / 4.44) at 32 on 8, d = 128. Forward
+    alone without a window, 32 on 8, d = 128 (16 on 4, d = 64), n = 32768: 7.69 (3.04) ms on
+    the dK / dV pass's 16-row (64-row) steps of three (four) stages, 7.05 (2.56) on 64-row
+    steps of two; 32-row steps of two stages 7.62 (2.54), 128-row ones 10.4 (2.46), three
+    stages 8.26 (2.97), eight warps 9.9-12.5 ms at d = 128.
 
     The key-major forward issues the selection's inversion and three launches: about 1.0 ms
     of host time per call against 0.2-0.4 ms, which a step launched eagerly from Python
