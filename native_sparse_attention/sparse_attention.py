@@ -316,6 +316,12 @@ class SparseAttention(nn.Module):
             raise ValueError("x must hold at least one token (seq_len > 0)")
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+        weight = self.to_qkv.weight
+        if x.device != weight.device:
+            raise ValueError(f"x is on {x.device} but the layer's parameters are on {weight.device}")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x is {x.dtype} but the layer's parameters are {weight.dtype}: cast one to the "
+                            "other's dtype, or run the layer under torch.autocast")
 
     def _use_fast_path(self, x: torch.Tensor) -> bool:
         return (self.use_triton_kernel or self.use_flex_attention) and x.is_cuda

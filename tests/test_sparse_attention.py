@@ -304,12 +304,21 @@ def test_bad_configuration_is_rejected(overrides, error, message):
         (torch.randn(1, 4, DIM + 1), ValueError, "32 features in its last dim.*got 33"),
         (torch.randn(1, 0, DIM), ValueError, "at least one token"),
         (torch.ones(1, 4, DIM, dtype=torch.long), TypeError, "floating-point"),
+        (torch.randn(1, 4, DIM, dtype=torch.float64), TypeError, "x is torch.float64 but .* torch.float32"),
+        (torch.randn(1, 4, DIM, device="meta"), ValueError, "x is on meta but .* on cpu"),
         ([[0.0] * DIM], TypeError, "torch.Tensor"),
     ],
 )
 def test_bad_input_is_rejected(x, error, message):
     with pytest.raises(error, match=message):
         make_layer()(x)
+
+
+def test_autocast_takes_inputs_of_other_dtypes():
+    layer = make_layer()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(1, 4, DIM, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16
 
 
 def test_a_cache_that_does_not_fit_is_rejected():
