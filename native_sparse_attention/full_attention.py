@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from native_sparse_attention.compress import plain_linear
+from native_sparse_attention.layer_input import check_layer_input
 from native_sparse_attention.rotary import RotaryEmbedding
 
 __all__ = ["FullAttention", "FullAttentionCache"]
@@ -49,8 +50,7 @@ class FullAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: FullAttentionCache | None = None, return_cache: bool = False):
         """x: [b, n, dim] -> [b, n, dim] (and the cache when ``return_cache``); with a cache,
         x holds the next tokens."""
-        if x.ndim != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape [batch, seq_len, {self.dim}], got {tuple(x.shape)}")
+        check_layer_input(x, self.dim, self.to_qkv.weight)
         offset = 0 if cache is None else cache.seq_len
         normed = self._normed(x)
         # Only the rotated queries and keys are attended.

@@ -30,6 +30,7 @@ from einops.layers.torch import Rearrange
 from torch import nn
 
 from native_sparse_attention.compress import CompressMLP, has_hooks, plain_linear, sliding_windows
+from native_sparse_attention.layer_input import check_layer_input
 from native_sparse_attention.reference import (
     compressed_attend,
     selected_attend,
@@ -275,7 +276,7 @@ class SparseAttention(nn.Module):
         ``StaticSparseAttentionCache`` (``static_cache``) x is one token, the step updates
         the cache in place, and it can be captured in a CUDA graph.
         """
-        self._check_input(x)
+        check_layer_input(x, self.dim, self.to_qkv.weight)
         if isinstance(cache, StaticSparseAttentionCache):
             out = static_step(self, x, cache)
             return (out, cache) if return_cache else out
@@ -304,24 +305,6 @@ class SparseAttention(nn.Module):
         if not return_cache:
             return out
         return out, self._prefill_cache(rk, v, k, ck, cv)
-
-    def _check_input(self, x) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.ndim != 3:
-            raise ValueError(f"x must have shape [batch, seq_len, dim], got {x.ndim} dims {tuple(x.shape)}")
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"x must have {self.dim} features in its last dim (the layer's dim), got {x.shape[-1]}")
-        if x.shape[1] == 0:
-            raise ValueError("x must hold at least one token (seq_len > 0)")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
-        weight = self.to_qkv.weight
-        if x.device != weight.device:
-            raise ValueError(f"x is on {x.device} but the layer's parameters are on {weight.device}")
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"x is {x.dtype} but the layer's parameters are {weight.dtype}: cast one to the "
-                            "other's dtype, or run the layer under torch.autocast")
 
     def _use_fast_path(self, x: torch.Tensor) -> bool:
         return (self.use_triton_kernel or self.use_flex_attention) and x.is_cuda

@@ -12,6 +12,7 @@ from native_sparse_attention import (
     AttentionPoolCompress,
     CompressMLP,
     ConvCompress,
+    FullAttention,
     GroupedCompressMLP,
     SparseAttention,
     SparseAttentionCache,
@@ -309,9 +310,12 @@ def test_bad_configuration_is_rejected(overrides, error, message):
         ([[0.0] * DIM], TypeError, "torch.Tensor"),
     ],
 )
-def test_bad_input_is_rejected(x, error, message):
+@pytest.mark.parametrize("layer", ["sparse", "full"])
+def test_bad_input_is_rejected(x, error, message, layer):
+    """The dense baseline rejects what the sparse layer does, with the same messages."""
+    layer = make_layer() if layer == "sparse" else FullAttention(DIM, DIM_HEAD, HEADS)
     with pytest.raises(error, match=message):
-        make_layer()(x)
+        layer(x)
 
 
 def test_autocast_takes_inputs_of_other_dtypes():
