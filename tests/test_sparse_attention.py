@@ -310,10 +310,10 @@ def test_bad_configuration_is_rejected(overrides, error, message):
         ([[0.0] * DIM], TypeError, "torch.Tensor"),
     ],
 )
-@pytest.mark.parametrize("layer", ["sparse", "full"])
-def test_bad_input_is_rejected(x, error, message, layer):
+@pytest.mark.parametrize("kind", ["sparse", "full"])
+def test_bad_input_is_rejected(x, error, message, kind):
     """The dense baseline rejects what the sparse layer does, with the same messages."""
-    layer = make_layer() if layer == "sparse" else FullAttention(DIM, DIM_HEAD, HEADS)
+    layer = make_layer() if kind == "sparse" else FullAttention(DIM, DIM_HEAD, HEADS)
     with pytest.raises(error, match=message):
         layer(x)
 
