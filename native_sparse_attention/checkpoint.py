@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from native_sparse_attention.transformer import Transformer
+
 __all__ = [
     "atomic_write",
     "checkpoint_path",
@@ -28,6 +30,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_model",
     "save_checkpoint",
 ]
 
@@ -92,3 +95,50 @@ def save_checkpoint(run_dir: str | Path, state: dict, keep: int) -> Path:
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def load_model(path: str | Path) -> Transformer:
+    """The ``Transformer`` saved by ``train.py``, on CPU in eval mode.
+
+    ``path`` is a checkpoint file (a dict with ``"model"``, the state dict, and
+    ``"model_config"``, the ``Transformer`` arguments) or a run directory, whose latest
+    ``checkpoints/step-*.pt`` is loaded. Every failure raises a one-line ``ValueError``.
+    """
+    path = _checkpoint_file(Path(path))
+    try:
+        checkpoint = load_checkpoint(path)
+    except Exception as error:  # torch raises several types for foreign or corrupt files
+        raise ValueError(
+            f"could not read checkpoint {path}: not a torch.save file of tensors and plain Python values "
+            f"({_summary(error)})"
+        ) from error
+    if not isinstance(checkpoint, dict) or not {"model", "model_config"} <= checkpoint.keys():
+        raise ValueError(f"{path} is not a train.py checkpoint: expected a dict with 'model' and 'model_config'")
+    try:
+        model = Transformer(**checkpoint["model_config"])
+        model.load_state_dict(checkpoint["model"])
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{path} does not hold a Transformer this version can build ({_summary(error)})") from error
+    return model.eval()
+
+
+def _checkpoint_file(path: Path) -> Path:
+    """``path`` itself, or the latest checkpoint of a run directory (or of its
+    ``checkpoints/`` folder)."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist")
+    run_dir = path.parent if path.name == "checkpoints" else path
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise ValueError(f"{path} holds no checkpoint: expected {checkpoint_path(run_dir, 0).with_name('step-*.pt')}")
+    return latest
+
+
+def _summary(error: Exception) -> str:
+    """One line about ``error``: torch's messages run over many lines, and the one that names
+    the offending object (weights-only loading) is not the first."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line.split(". Please")[0] for line in lines if "Unsupported global" in line]
+    return f"{type(error).__name__}: {(named or lines or ['no message'])[0]}"

@@ -61,6 +61,7 @@ from native_sparse_attention.data import (
     windows,
 )
 from native_sparse_attention.cuda_graph import GraphedLoss, GraphedLossBackward
+from native_sparse_attention.generate import generate
 from native_sparse_attention.transformer import Transformer
 
 __all__ = [
@@ -436,15 +437,10 @@ def evaluate(model: Transformer, data: torch.Tensor, offsets: torch.Tensor, conf
 
 def generate_sample(model: Transformer, prompt: torch.Tensor, config: TrainConfig, seed: int,
                     use_cuda_graph: bool = False) -> str:
-    """Continue ``prompt: [p]`` by ``sample_len`` bytes with the KV cache, each decoding step
-    replayed from a CUDA graph with ``use_cuda_graph`` (``Transformer.sample``). Uses its
-    own seeded RNG, leaving the training RNG untouched."""
-    device = prompt.device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(device):
-        torch.manual_seed(seed)
-        generated = model.sample(prompt, prompt.numel() + config.sample_len, temperature=1.0,
-                                 filter_thres=0.9, use_cache_kv=True, use_cuda_graph=use_cuda_graph)
-    return bytes(generated.tolist()).decode("utf-8", errors="replace")
+    """Continue ``prompt: [p]`` by ``sample_len`` bytes (``generate.generate``, each decoding
+    step replayed from a CUDA graph with ``use_cuda_graph``), leaving the training RNG untouched."""
+    text = generate(model, bytes(prompt.tolist()), config.sample_len, seed=seed, use_cuda_graph=use_cuda_graph)[0]
+    return text.decode("utf-8", errors="replace")
 
 
 # ---------------------------------------------------------------------------- run bookkeeping

@@ -1,0 +1,127 @@
+"""Continue a text with a byte-level language model that ``train.py`` saved.
+
+Command line (a checkpoint, or the latest one of a run directory)::
+
+    python -m native_sparse_attention.generate --checkpoint runs/enwik8-sparse \\
+        --prompt "The history of " --length 512
+
+prints the prompt followed by what the model writes after it. Decoding runs one byte per
+step through the layers' caches; on CUDA, with sparse layers on the Triton kernels, each
+step replays from a CUDA graph (``Transformer.sample``). Invalid arguments end the
+program with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+import torch
+
+from native_sparse_attention.checkpoint import load_model
+from native_sparse_attention.sparse_attention import SparseAttention
+from native_sparse_attention.transformer import Transformer
+
+__all__ = ["generate", "main"]
+
+
+def generate(model: Transformer, prompt: bytes, length: int, *, samples: int = 1, temperature: float = 1.0,
+             filter_thres: float = 0.9, seed: int = 0, use_cuda_graph: bool = False) -> list[bytes]:
+    """``samples`` continuations of ``prompt``, ``length`` bytes each, from ``model`` on its
+    device (bf16 autocast on CUDA). The same seed gives the same bytes on the same device;
+    the caller's random state is left as it was."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(list(prompt), dtype=torch.long, device=device).repeat(samples, 1)
+    precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), precision:
+        torch.manual_seed(seed)
+        generated = model.sample(ids, ids.shape[1] + length, temperature=temperature, filter_thres=filter_thres,
+                                 use_cache_kv=True, use_cuda_graph=use_cuda_graph)
+    return [bytes(row.tolist()) for row in generated]
+
+
+def _graphable(model: Transformer) -> bool:
+    return all(isinstance(attn, SparseAttention) and attn.use_triton_kernel for attn, _ in model.layers)
+
+
+def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog="python -m native_sparse_attention.generate",
+        description="Continue a text with a train.py checkpoint and print the prompt and its continuation.",
+    )
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="checkpoint written by train.py (.pt), or a run directory (its latest checkpoint)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text to continue (its UTF-8 bytes are the tokens)")
+    prompt.add_argument("--prompt-file", type=Path, help="file whose bytes are the text to continue")
+    parser.add_argument("--length", type=int, default=256, help="bytes to generate (default: 256)")
+    parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch "
+                        "(default: 1)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 decodes greedily "
+                        "(default: 1.0)")
+    parser.add_argument("--filter-thres", type=float, default=0.9, help="sample among the top 1 - FILTER_THRES "
+                        "fraction of the bytes (default: 0.9)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="where to decode (default: cuda when available)")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="replay each decoding step from a CUDA graph (CUDA and sparse layers on the triton "
+                        "backend; default: on wherever those hold)")
+    return parser, parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, args = _parse_args(argv)
+
+    def fail(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    if args.length < 1:
+        fail(f"--length must be at least 1, got {args.length}")
+    if args.samples < 1:
+        fail(f"--samples must be at least 1, got {args.samples}")
+    if args.temperature < 0:
+        fail(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.filter_thres < 1:
+        fail(f"--filter-thres must be in [0, 1), got {args.filter_thres}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but CUDA is not available")
+    if args.prompt_file is not None:
+        try:
+            prompt = args.prompt_file.read_bytes()
+        except OSError as error:
+            fail(f"could not read --prompt-file: {error.strerror}: {args.prompt_file}")
+    else:
+        prompt = args.prompt.encode("utf-8")
+    if not prompt:
+        fail("the prompt must not be empty")
+
+    try:
+        model = load_model(args.checkpoint)
+    except ValueError as error:
+        fail(str(error))
+    if not model.causal:
+        fail(f"{args.checkpoint} holds a non-causal model, which cannot generate")
+    num_tokens = model.config["num_tokens"]
+    if max(prompt) >= num_tokens:
+        fail(f"the prompt holds byte {max(prompt)}, outside this model's {num_tokens}-token vocabulary")
+    graphable = device.type == "cuda" and _graphable(model)
+    if args.cuda_graph and not graphable:
+        fail("--cuda-graph needs CUDA and a model whose sparse attention runs on the triton backend")
+    use_cuda_graph = graphable if args.cuda_graph is None else args.cuda_graph
+
+    texts = generate(model.to(device), prompt, args.length, samples=args.samples, temperature=args.temperature,
+                     filter_thres=args.filter_thres, seed=args.seed, use_cuda_graph=use_cuda_graph)
+    for index, text in enumerate(texts):
+        if args.samples > 1:
+            print(f"--- sample {index + 1} of {args.samples}")
+        print((prompt + text).decode("utf-8", errors="replace"), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Generating text from a train.py checkpoint: ``native_sparse_attention.generate``."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from native_sparse_attention import generate as generate_module
+from native_sparse_attention.generate import generate, main
+from native_sparse_attention.transformer import Transformer
+
+SPARSE_KWARGS = dict(sliding_window_size=8, compress_block_size=8, compress_block_sliding_stride=4,
+                     selection_block_size=8, num_selected_blocks=2)
+
+
+def make_model(**overrides) -> Transformer:
+    torch.manual_seed(0)
+    config = dict(num_tokens=256, dim=32, depth=2, heads=4, dim_head=8, kv_heads=2, sparse_attn_kwargs=SPARSE_KWARGS)
+    return Transformer(**{**config, **overrides}).eval()
+
+
+def save(model: Transformer, run_dir: Path, step: int = 0) -> Path:
+    """What train.py writes: <run_dir>/checkpoints/step-XXXXXXXX.pt."""
+    path = run_dir / "checkpoints" / f"step-{step:08d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "model_config": model.config, "step": step}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("run")
+    save(make_model(), run_dir)
+    return run_dir
+
+
+def test_greedy_generation_is_the_models_greedy_sample():
+    model, prompt = make_model(), "Sparse ".encode()
+    expected = model.sample(torch.tensor(list(prompt)), len(prompt) + 12, temperature=0.0)
+    assert generate(model, prompt, 12, temperature=0.0) == [bytes(expected.tolist())]
+
+
+def test_samples_depend_on_the_seed_alone_and_leave_the_callers_rng_alone():
+    model, prompt = make_model(), b"abc"
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = generate(model, prompt, 20, samples=3, seed=5)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert generate(model, prompt, 20, samples=3, seed=5) == first
+    assert generate(model, prompt, 20, samples=3, seed=6) != first
+    assert len(first) == 3 and all(len(text) == 20 for text in first)
+    assert len(set(first)) > 1  # a batch of samples, not one sample repeated
+
+
+def test_cli_prints_the_prompt_and_its_continuation(run_dir, capsys):
+    assert main(["--checkpoint", str(run_dir), "--prompt", "Hello", "--length", "16", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    continuation = generate(make_model(), b"Hello", 16, temperature=0.0)[0]
+    assert printed == (b"Hello" + continuation).decode("utf-8", errors="replace") + "\n"
+
+
+def test_cli_reads_the_prompt_from_a_file_and_numbers_several_samples(run_dir, tmp_path, capsys):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_bytes("naïve\n".encode())
+    assert main(["--checkpoint", str(run_dir), "--prompt-file", str(prompt_file), "--length", "8",
+                 "--samples", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("--- sample 1 of 2\nnaïve\n")
+    assert "--- sample 2 of 2\nnaïve\n" in printed
+
+
+def test_cli_runs_as_a_module(run_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "native_sparse_attention.generate", "--checkpoint", str(run_dir),
+         "--prompt", "x", "--length", "4"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("x")
+
+
+def full_attention_run(tmp_path: Path) -> Path:
+    save(make_model(use_sparse_attn=False, num_tokens=100), tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (lambda run, tmp: {"--length": "0"}, "--length must be at least 1, got 0"),
+        (lambda run, tmp: {"--samples": "0"}, "--samples must be at least 1, got 0"),
+        (lambda run, tmp: {"--temperature": "-1"}, "--temperature must be >= 0, got -1.0"),
+        (lambda run, tmp: {"--filter-thres": "1"}, r"--filter-thres must be in \[0, 1\), got 1.0"),
+        (lambda run, tmp: {"--prompt": ""}, "the prompt must not be empty"),
+        (lambda run, tmp: {"--prompt": None, "--prompt-file": str(tmp / "missing.txt")},
+         "could not read --prompt-file: No such file or directory"),
+        (lambda run, tmp: {"--checkpoint": str(tmp / "missing.pt")}, "missing.pt does not exist"),
+        (lambda run, tmp: {"--checkpoint": str(tmp)}, "holds no checkpoint"),
+        (lambda run, tmp: {"--checkpoint": str(full_attention_run(tmp)), "--prompt": "é"},
+         "the prompt holds byte 195, outside this model's 100-token vocabulary"),
+        (lambda run, tmp: {"--device": "cpu", "--cuda-graph": True}, "--cuda-graph needs CUDA"),
+    ],
+    ids=["length", "samples", "temperature", "filter-thres", "empty-prompt", "missing-prompt-file",
+         "missing-checkpoint", "run-without-checkpoint", "byte-outside-vocabulary", "cuda-graph-on-cpu"],
+)
+def test_cli_rejects_bad_input_in_one_line_with_exit_code_2(overrides, message, run_dir, tmp_path, capsys):
+    """``overrides`` of the valid arguments: None drops a flag, True passes it bare."""
+    flags = {"--checkpoint": str(run_dir), "--prompt": "hi", **overrides(run_dir, tmp_path)}
+    argv = []
+    for flag, value in flags.items():
+        argv += [] if value is None else [flag] if value is True else [flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert error.startswith("python -m native_sparse_attention.generate: error: ")
+    assert re.search(message, error)
+
+
+def test_non_causal_checkpoints_are_refused(tmp_path, capsys):
+    save(make_model(causal=False), tmp_path)
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(tmp_path), "--prompt", "hi"])
+    assert "non-causal model, which cannot generate" in capsys.readouterr().err
+
+
+def test_graphs_are_the_default_only_where_they_can_run(monkeypatch, run_dir):
+    """On the CPU the default decodes eagerly; asking for graphs there is refused above."""
+    used = []
+    monkeypatch.setattr(generate_module, "generate", lambda *args, **kwargs: used.append(kwargs) or [b""])
+    main(["--checkpoint", str(run_dir), "--prompt", "hi", "--device", "cpu"])
+    assert used[0]["use_cuda_graph"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_decoding_on_cuda_gives_the_eager_bytes():
+    """Triton layers decode each step from a CUDA graph by default; greedy decoding makes
+    the same bytes as eager cached steps."""
+    kernel_kwargs = dict(sliding_window_size=32, compress_block_size=16, compress_block_sliding_stride=8,
+                         selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True)
+    model = make_model(sparse_attn_kwargs=kernel_kwargs).cuda()
+    assert generate_module._graphable(model)
+    prompt = b"The sparse layer "
+    graphed = generate(model, prompt, 60, temperature=0.0, use_cuda_graph=True)
+    assert graphed == generate(model, prompt, 60, temperature=0.0)
