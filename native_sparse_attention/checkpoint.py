@@ -19,9 +19,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from native_sparse_attention.transformer import Transformer
+if TYPE_CHECKING:
+    from native_sparse_attention.transformer import Transformer
 
 __all__ = [
     "atomic_write",
@@ -31,6 +34,8 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_model",
+    "model_from_checkpoint",
+    "read_checkpoint",
     "save_checkpoint",
 ]
 
@@ -97,13 +102,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def load_model(path: str | Path) -> Transformer:
-    """The ``Transformer`` saved by ``train.py``, on CPU in eval mode.
-
-    ``path`` is a checkpoint file (a dict with ``"model"``, the state dict, and
-    ``"model_config"``, the ``Transformer`` arguments) or a run directory, whose latest
-    ``checkpoints/step-*.pt`` is loaded. Every failure raises a one-line ``ValueError``.
-    """
+def read_checkpoint(path: str | Path) -> tuple[Path, dict]:
+    """The checkpoint file that ``path`` names and its content: ``path`` is a checkpoint
+    file (a dict with ``"model"``, the state dict, and ``"model_config"``, the
+    ``Transformer`` arguments) or a run directory, whose latest ``checkpoints/step-*.pt`` is
+    read. Every failure raises a one-line ``ValueError``."""
     path = _checkpoint_file(Path(path))
     try:
         checkpoint = load_checkpoint(path)
@@ -114,12 +117,28 @@ def load_model(path: str | Path) -> Transformer:
         ) from error
     if not isinstance(checkpoint, dict) or not {"model", "model_config"} <= checkpoint.keys():
         raise ValueError(f"{path} is not a train.py checkpoint: expected a dict with 'model' and 'model_config'")
+    return path, checkpoint
+
+
+def model_from_checkpoint(path: Path, checkpoint: dict) -> Transformer:
+    """The ``Transformer`` of a checkpoint that ``read_checkpoint`` returned, on CPU in
+    eval mode; a one-line ``ValueError`` when this version cannot build it."""
+    # Imported here: the data and training utilities that write and read checkpoints stay
+    # free of the model.
+    from native_sparse_attention.transformer import Transformer
+
     try:
         model = Transformer(**checkpoint["model_config"])
         model.load_state_dict(checkpoint["model"])
     except (TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"{path} does not hold a Transformer this version can build ({_summary(error)})") from error
     return model.eval()
+
+
+def load_model(path: str | Path) -> Transformer:
+    """The ``Transformer`` saved by ``train.py`` (a checkpoint file, or a run directory's
+    latest checkpoint), on CPU in eval mode; failures raise one-line ``ValueError``s."""
+    return model_from_checkpoint(*read_checkpoint(path))
 
 
 def _checkpoint_file(path: Path) -> Path:

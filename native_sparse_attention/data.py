@@ -35,6 +35,8 @@ __all__ = [
     "ENWIK8_SIZE",
     "ENWIK8_URL",
     "RandomOffsetSampler",
+    "SPLITS",
+    "corpus_split",
     "download_enwik8",
     "load_corpus",
     "read_bytes",
@@ -52,6 +54,7 @@ STDLIB = "stdlib"
 
 TRAIN_PERCENT = 90
 VALIDATION_PERCENT = 5
+SPLITS = ("train", "validation", "test")
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1 << 20
@@ -196,17 +199,26 @@ def load_corpus(spec: str | None, data_dir: str | Path = "data", announce=print)
     return Corpus(ENWIK8, _as_tensor(read_bytes(path)))
 
 
+def corpus_split(data: torch.Tensor, name: str) -> torch.Tensor:
+    """data: [n] -> the split ``name``, a view of ``data``: ``"train"`` ``[0, 0.9 n)``,
+    ``"validation"`` ``[0.9 n, 0.95 n)``, ``"test"`` ``[0.95 n, n)``."""
+    n = data.numel()
+    bounds = (0, n * TRAIN_PERCENT // 100, n * (TRAIN_PERCENT + VALIDATION_PERCENT) // 100, n)
+    if name not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {name!r}")
+    index = SPLITS.index(name)
+    return data[bounds[index]:bounds[index + 1]]
+
+
 def split_corpus(data: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """data: [n] -> (train [0, 0.9 n), validation [0.9 n, 0.95 n)), views of ``data``: for
     enwik8 the customary 90M / 5M bytes. Raises ``DataError`` when a split is shorter than
     one training window (``seq_len + 1`` bytes)."""
-    n = data.numel()
-    train_end, validation_end = n * TRAIN_PERCENT // 100, n * (TRAIN_PERCENT + VALIDATION_PERCENT) // 100
-    train, validation = data[:train_end], data[train_end:validation_end]
+    train, validation = corpus_split(data, "train"), corpus_split(data, "validation")
     shortest = min(train.numel(), validation.numel())
     if shortest < seq_len + 1:
         raise DataError(
-            f"corpus of {n} bytes is too short for seq_len {seq_len}: its validation split "
+            f"corpus of {data.numel()} bytes is too short for seq_len {seq_len}: its validation split "
             f"({VALIDATION_PERCENT}%) must hold at least one sequence of {seq_len + 1} bytes, "
             f"so the corpus needs about {(seq_len + 1) * 100 // VALIDATION_PERCENT} bytes"
         )

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 import torch
 
 from native_sparse_attention.checkpoint import load_model
+from native_sparse_attention.cli import add_device_argument, checkpoint_parser, exit_with_error, resolve_device
 from native_sparse_attention.sparse_attention import SparseAttention
 from native_sparse_attention.transformer import Transformer
 
@@ -48,12 +50,9 @@ def _graphable(model: Transformer) -> bool:
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    parser = argparse.ArgumentParser(
-        prog="python -m native_sparse_attention.generate",
-        description="Continue a text with a train.py checkpoint and print the prompt and its continuation.",
+    parser = checkpoint_parser(
+        "generate", "Continue a text with a train.py checkpoint and print the prompt and its continuation."
     )
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="checkpoint written by train.py (.pt), or a run directory (its latest checkpoint)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text to continue (its UTF-8 bytes are the tokens)")
     prompt.add_argument("--prompt-file", type=Path, help="file whose bytes are the text to continue")
@@ -65,8 +64,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
     parser.add_argument("--filter-thres", type=float, default=0.9, help="sample among the top 1 - FILTER_THRES "
                         "fraction of the bytes (default: 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                        help="where to decode (default: cuda when available)")
+    add_device_argument(parser, "decode")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                         help="replay each decoding step from a CUDA graph (CUDA and sparse layers on the triton "
                         "backend; default: on wherever those hold)")
@@ -75,10 +73,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser, args = _parse_args(argv)
-
-    def fail(message: str) -> NoReturn:
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
-
+    fail = partial(exit_with_error, parser)
     if args.length < 1:
         fail(f"--length must be at least 1, got {args.length}")
     if args.samples < 1:
@@ -87,9 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 <= args.filter_thres < 1:
         fail(f"--filter-thres must be in [0, 1), got {args.filter_thres}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda, but CUDA is not available")
+    device = resolve_device(parser, args.device)
     if args.prompt_file is not None:
         try:
             prompt = args.prompt_file.read_bytes()

@@ -25,8 +25,9 @@ import argparse
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 from torch import nn
 
 from native_sparse_attention.checkpoint import load_model as load_checkpoint
+from native_sparse_attention.cli import checkpoint_parser, exit_with_error
 from native_sparse_attention.selection import selectable_blocks
 from native_sparse_attention.sparse_attention import SparseAttention
 
@@ -623,13 +625,10 @@ PLOTS: dict[str, Callable[..., Figure]] = {
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    parser = argparse.ArgumentParser(
-        prog="python -m native_sparse_attention.viz",
-        description="Run a text through a train.py checkpoint and write PNG figures of one NSA layer: "
+    parser = checkpoint_parser(
+        "viz", "Run a text through a train.py checkpoint and write PNG figures of one NSA layer: "
         + ", ".join(f"{name}.png" for name in PLOTS) + ".",
     )
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="checkpoint written by train.py (.pt), or a run directory (its latest checkpoint)")
     parser.add_argument("--text", required=True, help="text to run through the model (UTF-8 bytes are the tokens)")
     parser.add_argument("--out", required=True, type=Path, help="directory for the PNG files (created if missing)")
     parser.add_argument("--layer", type=int, default=0, help="index of the attention layer to plot (default: 0)")
@@ -646,8 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Files only: never let a configured interactive backend look for a display.
     matplotlib.use("Agg")
 
-    def fail(message: str) -> NoReturn:
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
+    fail = partial(exit_with_error, parser)
 
     if not args.text:
         fail("--text must not be empty")

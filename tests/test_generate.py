@@ -10,41 +10,23 @@ import torch
 
 from native_sparse_attention import generate as generate_module
 from native_sparse_attention.generate import generate, main
-from native_sparse_attention.transformer import Transformer
-
-SPARSE_KWARGS = dict(sliding_window_size=8, compress_block_size=8, compress_block_sliding_stride=4,
-                     selection_block_size=8, num_selected_blocks=2)
-
-
-def make_model(**overrides) -> Transformer:
-    torch.manual_seed(0)
-    config = dict(num_tokens=256, dim=32, depth=2, heads=4, dim_head=8, kv_heads=2, sparse_attn_kwargs=SPARSE_KWARGS)
-    return Transformer(**{**config, **overrides}).eval()
-
-
-def save(model: Transformer, run_dir: Path, step: int = 0) -> Path:
-    """What train.py writes: <run_dir>/checkpoints/step-XXXXXXXX.pt."""
-    path = run_dir / "checkpoints" / f"step-{step:08d}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": model.state_dict(), "model_config": model.config, "step": step}, path)
-    return path
-
+from run_checkpoints import save_checkpoint, small_model
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("run")
-    save(make_model(), run_dir)
+    save_checkpoint(small_model(), run_dir)
     return run_dir
 
 
 def test_greedy_generation_is_the_models_greedy_sample():
-    model, prompt = make_model(), "Sparse ".encode()
+    model, prompt = small_model(), "Sparse ".encode()
     expected = model.sample(torch.tensor(list(prompt)), len(prompt) + 12, temperature=0.0)
     assert generate(model, prompt, 12, temperature=0.0) == [bytes(expected.tolist())]
 
 
 def test_samples_depend_on_the_seed_alone_and_leave_the_callers_rng_alone():
-    model, prompt = make_model(), b"abc"
+    model, prompt = small_model(), b"abc"
     torch.manual_seed(123)
     state = torch.get_rng_state()
     first = generate(model, prompt, 20, samples=3, seed=5)
@@ -58,7 +40,7 @@ def test_samples_depend_on_the_seed_alone_and_leave_the_callers_rng_alone():
 def test_cli_prints_the_prompt_and_its_continuation(run_dir, capsys):
     assert main(["--checkpoint", str(run_dir), "--prompt", "Hello", "--length", "16", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out
-    continuation = generate(make_model(), b"Hello", 16, temperature=0.0)[0]
+    continuation = generate(small_model(), b"Hello", 16, temperature=0.0)[0]
     assert printed == (b"Hello" + continuation).decode("utf-8", errors="replace") + "\n"
 
 
@@ -83,7 +65,7 @@ def test_cli_runs_as_a_module(run_dir):
 
 
 def full_attention_run(tmp_path: Path) -> Path:
-    save(make_model(use_sparse_attn=False, num_tokens=100), tmp_path)
+    save_checkpoint(small_model(use_sparse_attn=False, num_tokens=100), tmp_path)
     return tmp_path
 
 
@@ -122,7 +104,7 @@ def test_cli_rejects_bad_input_in_one_line_with_exit_code_2(overrides, message, 
 
 
 def test_non_causal_checkpoints_are_refused(tmp_path, capsys):
-    save(make_model(causal=False), tmp_path)
+    save_checkpoint(small_model(causal=False), tmp_path)
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(tmp_path), "--prompt", "hi"])
     assert "non-causal model, which cannot generate" in capsys.readouterr().err
@@ -143,7 +125,7 @@ def test_graphed_decoding_on_cuda_gives_the_eager_bytes():
     the same bytes as eager cached steps."""
     kernel_kwargs = dict(sliding_window_size=32, compress_block_size=16, compress_block_sliding_stride=8,
                          selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True)
-    model = make_model(sparse_attn_kwargs=kernel_kwargs).cuda()
+    model = small_model(sparse_attn_kwargs=kernel_kwargs).cuda()
     assert generate_module._graphable(model)
     prompt = b"The sparse layer "
     graphed = generate(model, prompt, 60, temperature=0.0, use_cuda_graph=True)

@@ -19,6 +19,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from native_sparse_attention import viz  # noqa: E402
 from native_sparse_attention.sparse_attention import SparseAttention  # noqa: E402
 from native_sparse_attention.transformer import Transformer  # noqa: E402
+from run_checkpoints import save_checkpoint  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO_ROOT / "notebooks" / "visualize_selected_blocks.ipynb"
@@ -286,14 +287,6 @@ def test_record_from_kernel_path_explains_what_is_missing():
 
 
 # ---------------------------------------------------------------------------- CLI
-
-
-def save_checkpoint(model: Transformer, run_dir: Path, step: int) -> Path:
-    """What train.py writes: <run_dir>/checkpoints/step-XXXXXXXX.pt."""
-    path = run_dir / "checkpoints" / f"step-{step:08d}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": model.state_dict(), "model_config": model.config, "step": step}, path)
-    return path
 
 
 @pytest.fixture(scope="module")
