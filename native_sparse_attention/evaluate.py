@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -32,9 +33,6 @@ from native_sparse_attention.data import SPLITS, DataError, corpus_split, load_c
 from native_sparse_attention.transformer import Transformer
 
 __all__ = ["Score", "score_bytes", "scoring_windows", "main"]
-
-LN2 = 0.6931471805599453
-
 
 @dataclass(frozen=True)
 class Score:
@@ -86,7 +84,7 @@ def score_bytes(model: Transformer, text: torch.Tensor, seq_len: int, stride: in
             bar.update(len(starts))
     model.train(was_training)
     nats = total.item() / (text.numel() - 1)
-    return Score(nats=nats, bits_per_byte=nats / LN2, scored_bytes=text.numel() - 1)
+    return Score(nats=nats, bits_per_byte=nats / math.log(2), scored_bytes=text.numel() - 1)
 
 
 def _progress(total: int, enabled: bool):

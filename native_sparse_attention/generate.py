@@ -24,7 +24,6 @@ import torch
 
 from native_sparse_attention.checkpoint import load_model
 from native_sparse_attention.cli import add_device_argument, checkpoint_parser, exit_with_error, resolve_device
-from native_sparse_attention.sparse_attention import SparseAttention
 from native_sparse_attention.transformer import Transformer
 
 __all__ = ["generate", "main"]
@@ -43,10 +42,6 @@ def generate(model: Transformer, prompt: bytes, length: int, *, samples: int = 1
         generated = model.sample(ids, ids.shape[1] + length, temperature=temperature, filter_thres=filter_thres,
                                  use_cache_kv=True, use_cuda_graph=use_cuda_graph)
     return [bytes(row.tolist()) for row in generated]
-
-
-def _graphable(model: Transformer) -> bool:
-    return all(isinstance(attn, SparseAttention) and attn.use_triton_kernel for attn, _ in model.layers)
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -102,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     num_tokens = model.config["num_tokens"]
     if max(prompt) >= num_tokens:
         fail(f"the prompt holds byte {max(prompt)}, outside this model's {num_tokens}-token vocabulary")
-    graphable = device.type == "cuda" and _graphable(model)
+    graphable = device.type == "cuda" and model.has_graphable_decoding()
     if args.cuda_graph and not graphable:
         fail("--cuda-graph needs CUDA and a model whose sparse attention runs on the triton backend")
     use_cuda_graph = graphable if args.cuda_graph is None else args.cuda_graph

@@ -168,10 +168,15 @@ class Transformer(nn.Module):
         generated = out[:, prompt_len:]
         return generated[0] if squeeze else generated
 
+    def has_graphable_decoding(self) -> bool:
+        """Whether ``sample(..., use_cuda_graph=True)`` can run on CUDA ids: every attention
+        layer sparse, on the Triton kernels."""
+        return all(isinstance(attn, SparseAttention) and attn.use_triton_kernel for attn, _ in self.layers)
+
     def _check_graphable(self, ids: torch.Tensor) -> None:
         if not ids.is_cuda:
             raise ValueError(f"use_cuda_graph needs CUDA ids, got ids on {ids.device}")
-        if not all(isinstance(attn, SparseAttention) and attn.use_triton_kernel for attn, _ in self.layers):
+        if not self.has_graphable_decoding():
             raise ValueError("use_cuda_graph needs sparse attention layers with use_triton_kernel=True")
 
     def _graphed_step(self, caches: list, capacity: int, example_ids: torch.Tensor) -> _GraphedStep:

@@ -126,7 +126,7 @@ def test_graphed_decoding_on_cuda_gives_the_eager_bytes():
     kernel_kwargs = dict(sliding_window_size=32, compress_block_size=16, compress_block_sliding_stride=8,
                          selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True)
     model = small_model(sparse_attn_kwargs=kernel_kwargs).cuda()
-    assert generate_module._graphable(model)
+    assert model.has_graphable_decoding()
     prompt = b"The sparse layer "
     graphed = generate(model, prompt, 60, temperature=0.0, use_cuda_graph=True)
     assert graphed == generate(model, prompt, 60, temperature=0.0)

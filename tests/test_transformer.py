@@ -48,6 +48,10 @@ def test_greedy_sampling_with_cache_equals_without(use_sparse_attn):
 
 
 def test_cuda_graph_sampling_needs_cuda_and_triton_layers():
+    triton_kwargs = {**SPARSE_KWARGS, "selection_block_size": 16, "use_triton_kernel": True}
+    assert make_model(sparse_attn_kwargs=triton_kwargs).has_graphable_decoding()
+    assert not make_model().has_graphable_decoding()
+    assert not make_model(use_sparse_attn=False).has_graphable_decoding()
     prompt = torch.randint(0, 64, (1, 5))
     with pytest.raises(ValueError, match="CUDA"):
         make_model().sample(prompt, 9, use_cuda_graph=True)
