@@ -800,7 +800,10 @@ class Trainer:
                     self.log(f"training failed after step {self.done_step}; saved {path}")
             raise
         if self.is_main:
-            print(f"done: {config.steps} steps; checkpoints in {self.run_dir / 'checkpoints'}", flush=True)
+            print(f"done: {config.steps} steps; checkpoints in {self.run_dir / 'checkpoints'}\n"
+                  f"score the test split: python -m native_sparse_attention.evaluate --checkpoint {self.run_dir}\n"
+                  f"continue a text: python -m native_sparse_attention.generate --checkpoint {self.run_dir} "
+                  f"--prompt TEXT", flush=True)
         return 0
 
 

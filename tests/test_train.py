@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from native_sparse_attention import Transformer, data, training
+from native_sparse_attention import Transformer, data, evaluate, training
 from native_sparse_attention.checkpoint import (
     atomic_write,
     checkpoint_step,
@@ -114,6 +114,15 @@ def test_tiny_run_writes_config_metrics_plot_samples_and_checkpoints(corpus, tmp
     model.load_state_dict(checkpoint["model"])
     ids = torch.tensor([list(b"the sparse attention")])
     assert torch.isfinite(model(ids)).all()
+
+    # The closing lines name the commands that score and continue text with the run, and the
+    # scoring one runs on it: the run's corpus and window length, its whole test split.
+    assert f"python -m native_sparse_attention.evaluate --checkpoint {run_dir}\n" in printed
+    assert f"python -m native_sparse_attention.generate --checkpoint {run_dir} --prompt TEXT" in printed
+    assert evaluate.main(["--checkpoint", str(run_dir), "--json"]) == 0
+    score = json.loads(capsys.readouterr().out)
+    assert score["corpus"] == str(corpus) and score["seq_len"] == 64 and score["scored_bytes"] == 2_999
+    assert score["bits_per_byte"] < 8.0
 
 
 def test_resumed_run_logs_the_losses_of_an_uninterrupted_one(corpus, tmp_path):
