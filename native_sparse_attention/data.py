@@ -193,7 +193,7 @@ def load_corpus(spec: str | None, data_dir: str | Path = "data", announce=print)
             if spec == ENWIK8:
                 raise
             data = stdlib_corpus()
-            announce(f"enwik8 unavailable ({error}); training on the Python standard library "
+            announce(f"enwik8 unavailable ({error}); using the Python standard library "
                      f"source instead ({len(data) / 1e6:.1f} MB)")
             return Corpus(STDLIB, _as_tensor(data))
     return Corpus(ENWIK8, _as_tensor(read_bytes(path)))

@@ -5,9 +5,9 @@ Command line (a checkpoint, or the latest one of a run directory)::
     python -m native_sparse_attention.evaluate --checkpoint runs/enwik8-sparse --split test
 
 ``train.py`` validates on a fixed sample of windows; this scores every byte of the split
-once, each with at least ``seq_len - stride`` bytes of context: windows of ``seq_len``
-bytes start every ``stride`` bytes, and each scores only the bytes the window before it did
-not (the first scores all of its own). For enwik8 the test split is the customary held-out
+once: windows of ``seq_len`` bytes start every ``stride`` bytes, and each scores only the
+bytes the window before it did not (the first scores all of its own), so that every byte
+after the first window is scored with at least ``seq_len - stride`` bytes of context. For enwik8 the test split is the customary held-out
 ``[95M, 100M)``. The corpus, the window length and the batch size default to the run's
 training settings, saved in its checkpoints.
 """
@@ -37,18 +37,28 @@ __all__ = ["Score", "score_bytes", "scoring_windows", "main"]
 @dataclass(frozen=True)
 class Score:
     """nats: mean loss per scored byte; bits_per_byte = nats / ln 2; scored_bytes: every
-    byte of the text but its first, which has no context."""
+    byte of the text but its first, which has no context; window, stride: the windows'
+    length (seq_len, or the text's length - 1 when shorter) and the distance between
+    their starts."""
 
     nats: float
     bits_per_byte: float
     scored_bytes: int
+    window: int
+    stride: int
 
 
 def scoring_windows(num_bytes: int, seq_len: int, stride: int) -> Iterator[tuple[int, int]]:
     """``(start, first)`` for each window of a text of ``num_bytes`` bytes: the window reads
-    bytes ``[start, start + L)`` and predicts ``[start + 1, start + L]`` (L = the shorter of
-    seq_len and num_bytes - 1), of which it scores those from ``start + first`` on. Every
-    byte but the first is scored exactly once."""
+    bytes ``[start, start + L)`` (L = the shorter of seq_len and num_bytes - 1) and predicts
+    each next byte, ``[start + 1, start + L]``, of which it scores ``[start + first + 1,
+    start + L]``. Every byte but the first is scored exactly once; after the first window,
+    each with at least ``L - stride`` bytes of context."""
+    if num_bytes < 2:
+        raise ValueError(f"num_bytes must be at least 2, got {num_bytes}")
+    if not 1 <= stride <= seq_len:
+        raise ValueError(f"stride must be in [1, seq_len = {seq_len}], got {stride}: a longer one leaves bytes "
+                         "unscored")
     length = min(seq_len, num_bytes - 1)
     last_start = num_bytes - 1 - length
     start, scored_up_to = 0, 0  # bytes [1, scored_up_to] are scored
@@ -61,36 +71,43 @@ def scoring_windows(num_bytes: int, seq_len: int, stride: int) -> Iterator[tuple
 def score_bytes(model: Transformer, text: torch.Tensor, seq_len: int, stride: int, batch_size: int = 16,
                 progress: bool = False) -> Score:
     """text: [n] uint8 -> the model's loss on each byte of ``text`` after the first, each
-    predicted from the window of ``scoring_windows``; batches of ``batch_size`` windows
-    on the model's device (bf16 autocast on CUDA)."""
-    if text.numel() < 2:
-        raise ValueError(f"text must hold at least 2 bytes, got {text.numel()}")
+    predicted in the window of ``scoring_windows`` that scores it; batches of ``batch_size``
+    windows on the model's device (bf16 autocast on CUDA). ``progress``: a progress bar on
+    stderr, where it is a terminal."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    windows = list(scoring_windows(text.numel(), seq_len, stride))
     device = next(model.parameters()).device
     length = min(seq_len, text.numel() - 1)
-    windows = list(scoring_windows(text.numel(), seq_len, stride))
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    scored_sum = torch.zeros((), dtype=torch.long, device=device)
     precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    bar = _progress(len(windows), progress)
     was_training = model.training
     model.eval()
-    with torch.no_grad(), precision, bar:
-        for batch in range(0, len(windows), batch_size):
-            starts, firsts = (torch.tensor(column) for column in zip(*windows[batch:batch + batch_size]))
-            ids = text[starts[:, None] + torch.arange(length + 1)].long().to(device)
-            logits = model(ids[:, :-1]).float()
-            losses = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-            scored = torch.arange(length, device=device) >= firsts.to(device)[:, None]
-            total += (losses * scored).sum(dtype=torch.float64)
-            bar.update(len(starts))
-    model.train(was_training)
-    nats = total.item() / (text.numel() - 1)
-    return Score(nats=nats, bits_per_byte=nats / math.log(2), scored_bytes=text.numel() - 1)
+    try:
+        with torch.no_grad(), precision, _progress(len(windows), progress) as bar:
+            for batch in range(0, len(windows), batch_size):
+                starts, firsts = (torch.tensor(column) for column in zip(*windows[batch:batch + batch_size]))
+                ids = text[starts[:, None] + torch.arange(length + 1)].long().to(device)
+                logits = model(ids[:, :-1]).float()
+                losses = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+                scored = torch.arange(length, device=device) >= firsts.to(device)[:, None]
+                loss_sum += (losses * scored).sum(dtype=torch.float64)
+                scored_sum += scored.sum()
+                bar.update(len(starts))
+    finally:
+        model.train(was_training)
+    assert scored_sum.item() == text.numel() - 1, "the windows must score every byte but the first once"
+    nats = loss_sum.item() / (text.numel() - 1)
+    return Score(nats=nats, bits_per_byte=nats / math.log(2), scored_bytes=text.numel() - 1, window=length,
+                 stride=stride)
 
 
 def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, disable=not enabled, unit="window", dynamic_ncols=True, file=sys.stderr)
+    # disable=None: tqdm's own test, off where stderr is not a terminal (logs, pipes).
+    return tqdm(total=total, disable=None if enabled else True, unit="window", dynamic_ncols=True, file=sys.stderr)
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -151,11 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     score = score_bytes(model.to(device), text, seq_len, stride, batch_size, progress=not args.json)
     if args.json:
         print(json.dumps({"checkpoint": str(args.checkpoint), "corpus": corpus.name, "split": args.split,
-                          "seq_len": seq_len, "stride": stride, **asdict(score)}))
+                          **asdict(score)}))
     else:
         print(f"{args.checkpoint}: {score.bits_per_byte:.4f} bits per byte ({score.nats:.4f} nats) on the "
-              f"{args.split} split of {corpus.name}, {score.scored_bytes:,} bytes scored in windows of {seq_len} "
-              f"starting every {stride}")
+              f"{args.split} split of {corpus.name}, {score.scored_bytes:,} bytes scored in windows of "
+              f"{score.window} starting every {score.stride}")
     return 0
 
 

@@ -14,6 +14,8 @@ program with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from contextlib import nullcontext
 from functools import partial
@@ -37,7 +39,9 @@ def generate(model: Transformer, prompt: bytes, length: int, *, samples: int = 1
     device = next(model.parameters()).device
     ids = torch.tensor(list(prompt), dtype=torch.long, device=device).repeat(samples, 1)
     precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), precision:
+    # manual_seed seeds every GPU, so every GPU's state is put back.
+    gpus = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus), precision:
         torch.manual_seed(seed)
         generated = model.sample(ids, ids.shape[1] + length, temperature=temperature, filter_thres=filter_thres,
                                  use_cache_kv=True, use_cuda_graph=use_cuda_graph)
@@ -73,8 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(f"--length must be at least 1, got {args.length}")
     if args.samples < 1:
         fail(f"--samples must be at least 1, got {args.samples}")
-    if args.temperature < 0:
-        fail(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        fail(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not 0 <= args.filter_thres < 1:
         fail(f"--filter-thres must be in [0, 1), got {args.filter_thres}")
     device = resolve_device(parser, args.device)
@@ -84,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as error:
             fail(f"could not read --prompt-file: {error.strerror}: {args.prompt_file}")
     else:
-        prompt = args.prompt.encode("utf-8")
+        prompt = os.fsencode(args.prompt)  # the bytes given, even those that are not UTF-8
     if not prompt:
         fail("the prompt must not be empty")
 

@@ -161,7 +161,10 @@ class Transformer(nn.Module):
             if temperature == 0:
                 next_token = next_logits.argmax(dim=-1, keepdim=True)
             else:
-                probs = F.softmax(top_k_filter(next_logits, filter_thres) / temperature, dim=-1)
+                kept = top_k_filter(next_logits, filter_thres)
+                # Shifted by the largest logit first, so that a tiny temperature divides only
+                # values <= 0 and the softmax sees 0 and -inf, never inf - inf.
+                probs = F.softmax((kept - kept.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
                 next_token = torch.multinomial(probs, 1)
             out = torch.cat((out, next_token), dim=1)
         self.train(was_training)

@@ -47,6 +47,35 @@ def test_score_is_each_bytes_loss_given_the_window_that_scores_it():
     assert math.isclose(score.bits_per_byte, score.nats / math.log(2), rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("stride", [5, 7, 12])
+def test_each_byte_is_scored_in_the_earliest_window_that_predicts_it(stride):
+    """A reference that builds the windows from their definition (starts every stride
+    bytes, the last one moved back to end at the text's end) and scores each byte from the
+    first window predicting it, one forward per byte: with these strides the last window
+    overlaps the one before it by more than the stride."""
+    model, text, seq_len = small_model(), random_text(30), 12
+    last_start = text.numel() - 1 - seq_len
+    starts = sorted({min(k * stride, last_start) for k in range(text.numel())})
+    losses = []
+    for t in range(1, text.numel()):
+        start = next(s for s in starts if s + 1 <= t <= s + seq_len)
+        with torch.no_grad():
+            logits = model(text[start:t].long()[None])[0, -1]
+        losses.append(F.cross_entropy(logits[None], text[t].long()[None]).item())
+    score = score_bytes(model, text, seq_len, stride, batch_size=2)
+    assert math.isclose(score.nats, sum(losses) / len(losses), rel_tol=1e-5)
+
+
+def test_strides_outside_the_window_and_empty_batches_are_refused():
+    for stride in (0, 17):
+        with pytest.raises(ValueError, match=rf"stride must be in \[1, seq_len = 16\], got {stride}"):
+            list(scoring_windows(100, 16, stride))
+    with pytest.raises(ValueError, match="num_bytes must be at least 2, got 1"):
+        list(scoring_windows(1, 16, 8))
+    with pytest.raises(ValueError, match="batch_size must be at least 1, got 0"):
+        score_bytes(small_model(), random_text(20), 8, 4, batch_size=0)
+
+
 def test_strides_change_the_context_not_the_bytes_scored():
     model, text = small_model(), random_text(80)
     scores = [score_bytes(model, text, 16, stride) for stride in (16, 8, 3)]
@@ -79,7 +108,7 @@ def test_cli_scores_the_split_with_the_runs_settings(tmp_path, corpus_file, caps
     result = json.loads(capsys.readouterr().out)
     test_split = data.corpus_split(torch.tensor(list(corpus_file.read_bytes()), dtype=torch.uint8), "test")
     expected = score_bytes(model, test_split, 24, 12)
-    assert result["split"] == "test" and result["seq_len"] == 24 and result["stride"] == 12
+    assert result["split"] == "test" and result["window"] == 24 and result["stride"] == 12
     assert result["scored_bytes"] == 99
     assert math.isclose(result["bits_per_byte"], expected.bits_per_byte, rel_tol=1e-6)
 
@@ -97,9 +126,11 @@ def test_cli_scores_the_split_with_the_runs_settings(tmp_path, corpus_file, caps
         (["--seq-len", "0"], "--seq-len must be at least 1, got 0"),
         (["--stride", "40", "--seq-len", "20"], r"--stride \(40\) must not exceed the window \(20\)"),
         (["--max-bytes", "1"], "holds 1 bytes; scoring needs at least 2"),
+        (["--stride", "0"], "--stride must be at least 1, got 0"),
+        (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
         (["--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
     ],
-    ids=["seq-len", "stride", "too-few-bytes", "missing-corpus"],
+    ids=["seq-len", "stride", "too-few-bytes", "zero-stride", "zero-batch", "missing-corpus"],
 )
 def test_cli_rejects_bad_input_in_one_line_with_exit_code_2(arguments, message, tmp_path, corpus_file, capsys):
     save_checkpoint(small_model(), tmp_path, train_config={"data": str(corpus_file), "seq_len": 24, "batch_size": 4})
@@ -118,6 +149,20 @@ def test_cli_needs_a_window_length_for_checkpoints_without_training_settings(tmp
     assert "does not record its training settings: give --seq-len" in capsys.readouterr().err
     assert main(["--checkpoint", str(tmp_path), "--data", str(corpus_file), "--seq-len", "16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stride"] == 8
+
+
+def test_windows_longer_than_the_text_are_reported_as_used(tmp_path, corpus_file, capsys):
+    save_checkpoint(small_model(), tmp_path, train_config={"data": str(corpus_file), "seq_len": 24})
+    assert main(["--checkpoint", str(tmp_path), "--max-bytes", "6", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["window"] == 5 and result["scored_bytes"] == 5
+
+
+def test_non_causal_checkpoints_are_refused(tmp_path, corpus_file, capsys):
+    save_checkpoint(small_model(causal=False), tmp_path, train_config={"data": str(corpus_file), "seq_len": 16})
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(tmp_path)])
+    assert "non-causal model, which does not predict the next byte" in capsys.readouterr().err
 
 
 def test_bytes_outside_the_vocabulary_are_refused(tmp_path, corpus_file, capsys):

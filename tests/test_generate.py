@@ -1,5 +1,6 @@
 """Generating text from a train.py checkpoint: ``native_sparse_attention.generate``."""
 
+import os
 import re
 import subprocess
 import sys
@@ -54,6 +55,19 @@ def test_cli_reads_the_prompt_from_a_file_and_numbers_several_samples(run_dir, t
     assert "--- sample 2 of 2\nnaïve\n" in printed
 
 
+def test_prompts_keep_bytes_that_are_not_utf8(run_dir, capsys):
+    """The command line hands such bytes over as surrogate escapes; they are the prompt."""
+    prompt = os.fsdecode(b"\xffab")
+    assert main(["--checkpoint", str(run_dir), "--prompt", prompt, "--length", "4", "--temperature", "0"]) == 0
+    continuation = generate(small_model(), b"\xffab", 4, temperature=0.0)[0]
+    assert capsys.readouterr().out == (b"\xffab" + continuation).decode("utf-8", errors="replace") + "\n"
+
+
+def test_a_tiny_temperature_samples_the_greedy_bytes():
+    model, prompt = small_model(), b"tiny "
+    assert generate(model, prompt, 16, temperature=1e-45) == generate(model, prompt, 16, temperature=0.0)
+
+
 def test_cli_runs_as_a_module(run_dir):
     result = subprocess.run(
         [sys.executable, "-m", "native_sparse_attention.generate", "--checkpoint", str(run_dir),
@@ -74,7 +88,8 @@ def full_attention_run(tmp_path: Path) -> Path:
     [
         (lambda run, tmp: {"--length": "0"}, "--length must be at least 1, got 0"),
         (lambda run, tmp: {"--samples": "0"}, "--samples must be at least 1, got 0"),
-        (lambda run, tmp: {"--temperature": "-1"}, "--temperature must be >= 0, got -1.0"),
+        (lambda run, tmp: {"--temperature": "-1"}, "--temperature must be a finite number >= 0, got -1.0"),
+        (lambda run, tmp: {"--temperature": "nan"}, "--temperature must be a finite number >= 0, got nan"),
         (lambda run, tmp: {"--filter-thres": "1"}, r"--filter-thres must be in \[0, 1\), got 1.0"),
         (lambda run, tmp: {"--prompt": ""}, "the prompt must not be empty"),
         (lambda run, tmp: {"--prompt": None, "--prompt-file": str(tmp / "missing.txt")},
@@ -85,7 +100,7 @@ def full_attention_run(tmp_path: Path) -> Path:
          "the prompt holds byte 195, outside this model's 100-token vocabulary"),
         (lambda run, tmp: {"--device": "cpu", "--cuda-graph": True}, "--cuda-graph needs CUDA"),
     ],
-    ids=["length", "samples", "temperature", "filter-thres", "empty-prompt", "missing-prompt-file",
+    ids=["length", "samples", "temperature", "nan-temperature", "filter-thres", "empty-prompt", "missing-prompt-file",
          "missing-checkpoint", "run-without-checkpoint", "byte-outside-vocabulary", "cuda-graph-on-cpu"],
 )
 def test_cli_rejects_bad_input_in_one_line_with_exit_code_2(overrides, message, run_dir, tmp_path, capsys):

@@ -121,7 +121,7 @@ def test_tiny_run_writes_config_metrics_plot_samples_and_checkpoints(corpus, tmp
     assert f"python -m native_sparse_attention.generate --checkpoint {run_dir} --prompt TEXT" in printed
     assert evaluate.main(["--checkpoint", str(run_dir), "--json"]) == 0
     score = json.loads(capsys.readouterr().out)
-    assert score["corpus"] == str(corpus) and score["seq_len"] == 64 and score["scored_bytes"] == 2_999
+    assert score["corpus"] == str(corpus) and score["window"] == 64 and score["scored_bytes"] == 2_999
     assert score["bits_per_byte"] < 8.0
 
 
