@@ -134,6 +134,9 @@ class TrainConfig:
     weight_decay: float = _setting(0.1, "AdamW weight decay of the weight matrices", float, 0.0)
     grad_clip: float = _setting(1.0, "gradient-norm clipping threshold (0: no clipping)", float, 0.0)
     compile: bool = _setting(False, "torch.compile the model", bool)
+    activation_checkpointing: bool = _setting(False, "recompute each layer's activations in the backward instead "
+                                                     "of keeping them: less memory for long sequences, for a "
+                                                     "second forward of every layer", bool)
     cuda_graph: bool | None = _setting(None, "replay each micro-batch's forward and backward, the validation "
                                               "batches and the samples' decoding steps from CUDA graphs (CUDA, "
                                               "the triton backend or full attention, no --compile; default: "
@@ -329,6 +332,7 @@ def build_model(config: TrainConfig, backend: str | None) -> Transformer:
             num_tokens=NUM_TOKENS, dim=config.dim, depth=config.depth, heads=config.heads,
             dim_head=config.dim_head, kv_heads=config.kv_heads, causal=True,
             use_sparse_attn=config.attn == "sparse", sparse_attn_kwargs=sparse_attn_kwargs,
+            activation_checkpointing=config.activation_checkpointing,
         )
     except (ValueError, TypeError) as error:
         raise UsageError(f"invalid model settings: {error}") from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from native_sparse_attention.full_attention import FullAttention
 from native_sparse_attention.sparse_attention import SparseAttention
@@ -34,6 +35,12 @@ class FeedForward(nn.Module):
         return self.net(x)
 
 
+def _block(attn: nn.Module, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One pre-norm block without a cache: x: [b, n, dim] -> [b, n, dim]."""
+    x = x + attn(x)
+    return x + ff(x)
+
+
 def top_k_filter(logits: torch.Tensor, filter_thres: float) -> torch.Tensor:
     """Keep the largest ``round((1 - filter_thres) * vocab)`` logits (at least one) of each row, -inf elsewhere."""
     k = max(1, int(round((1.0 - filter_thres) * logits.shape[-1])))
@@ -53,6 +60,10 @@ class Transformer(nn.Module):
         use_sparse_attn: ``SparseAttention`` layers when True, full attention otherwise.
         sparse_attn_kwargs: the remaining ``SparseAttention`` arguments (block sizes, ...).
         ff_expansion: hidden width of the feed-forward blocks relative to ``dim``.
+        activation_checkpointing: in training forwards (gradients on, no caches) each
+            block's activations are recomputed during the backward instead of kept, so
+            that the stored activations shrink to each block's input (``torch.utils.checkpoint``).
+            A training setting, not part of ``config``: checkpoints rebuild without it.
     """
 
     def __init__(
@@ -67,6 +78,7 @@ class Transformer(nn.Module):
         use_sparse_attn: bool = True,
         sparse_attn_kwargs: dict | None = None,
         ff_expansion: float = 4.0,
+        activation_checkpointing: bool = False,
     ):
         super().__init__()
         sparse_attn_kwargs = dict(DEFAULT_SPARSE_ATTN_KWARGS if sparse_attn_kwargs is None else sparse_attn_kwargs)
@@ -79,6 +91,7 @@ class Transformer(nn.Module):
             ff_expansion=ff_expansion,
         )
         self.causal = causal
+        self.activation_checkpointing = activation_checkpointing
         self.token_emb = nn.Embedding(num_tokens, dim)
         self.layers = nn.ModuleList()
         for _ in range(depth):
@@ -108,7 +121,13 @@ class Transformer(nn.Module):
             ids, labels = ids[:, :-1], ids[:, 1:]
         x = self.token_emb(ids)
         new_caches = []
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for index, (attn, ff) in enumerate(self.layers):
+            if caches is None and not return_caches:
+                # No RNG in the blocks to replay, and CUDA graph captures cannot read the RNG state.
+                x = (checkpoint(_block, attn, ff, x, use_reentrant=False, preserve_rng_state=False) if recompute
+                     else _block(attn, ff, x))
+                continue
             layer_cache = None if caches is None else caches[index]
             if return_caches:
                 attn_out, layer_cache = attn(x, cache=layer_cache, return_cache=True)

@@ -125,6 +125,16 @@ def test_tiny_run_writes_config_metrics_plot_samples_and_checkpoints(corpus, tmp
     assert score["bits_per_byte"] < 8.0
 
 
+def test_activation_checkpointing_trains_the_same_run(corpus, tmp_path):
+    """Recomputed activations on the CPU: the same losses and gradient norms, step by step."""
+    flags = ("--steps", "6", "--log-every", "1", "--val-every", "0", "--sample-every", "0", "--checkpoint-every", "0")
+    assert run_train(corpus, tmp_path / "kept", *flags) == 0
+    assert run_train(corpus, tmp_path / "recomputed", *flags, "--activation-checkpointing") == 0
+    kept, recomputed = read_metrics(tmp_path / "kept"), read_metrics(tmp_path / "recomputed")
+    assert [(r["loss"], r["grad_norm"]) for r in recomputed] == [(r["loss"], r["grad_norm"]) for r in kept]
+    assert json.loads((tmp_path / "recomputed" / "config.json").read_text())["activation_checkpointing"] is True
+
+
 def test_resumed_run_logs_the_losses_of_an_uninterrupted_one(corpus, tmp_path):
     flags = ("--log-every", "1", "--val-every", "10", "--sample-every", "0", "--checkpoint-every", "0")
     assert run_train(corpus, tmp_path / "whole", "--steps", "30", *flags) == 0

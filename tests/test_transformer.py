@@ -190,6 +190,67 @@ def test_compiled_full_attention_matches_eager(mode):
         assert (got - expected).abs().max() / expected.abs().max() < 2e-2
 
 
+def _saved_bytes_and_grads(model: Transformer, ids: torch.Tensor):
+    """Bytes of the tensors autograd saves for the backward of one loss, and the gradients."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(ids, return_loss=True)
+    loss.backward()
+    return sum(saved), loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("use_sparse_attn", [True, False])
+def test_activation_checkpointing_keeps_the_gradients_and_saves_less(use_sparse_attn):
+    """Each block recomputed in the backward: the same loss and gradients (the CPU path is
+    deterministic), from a fraction of the saved activations."""
+    model = make_model(use_sparse_attn=use_sparse_attn)
+    ids = torch.randint(0, 64, (2, 41), generator=torch.Generator().manual_seed(0))
+    kept_bytes, loss, grads = _saved_bytes_and_grads(model, ids)
+    model.activation_checkpointing = True
+    recomputed_bytes, recomputed_loss, recomputed_grads = _saved_bytes_and_grads(model, ids)
+    assert torch.equal(recomputed_loss, loss)
+    for grad, recomputed in zip(grads, recomputed_grads, strict=True):
+        torch.testing.assert_close(recomputed, grad, rtol=0, atol=0)
+    assert recomputed_bytes < kept_bytes / 3
+    # Inference and decoding keep their own paths.
+    with torch.no_grad():
+        assert torch.equal(model(ids), make_model(use_sparse_attn=use_sparse_attn)(ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_activation_checkpointing_on_the_triton_path():
+    """On the kernels under bf16 autocast: gradients close to those of kept activations
+    (the recomputed forward may round its atomic adds differently), at a lower peak."""
+    kwargs = dict(sliding_window_size=64, compress_block_size=16, compress_block_sliding_stride=8,
+                  selection_block_size=16, num_selected_blocks=4, use_triton_kernel=True)
+    torch.manual_seed(0)
+    model = Transformer(num_tokens=256, dim=256, depth=4, heads=8, dim_head=32, kv_heads=4,
+                        sparse_attn_kwargs=kwargs).cuda()
+    ids = torch.randint(0, 256, (2, 4097), device="cuda")
+    runs = []
+    for recompute in (False, True):
+        model.activation_checkpointing = recompute
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, return_loss=True)
+        loss.backward()
+        runs.append((torch.cuda.max_memory_allocated(), loss.item(), [p.grad.float() for p in model.parameters()]))
+    (kept_peak, kept_loss, kept_grads), (peak, recomputed_loss, grads) = runs
+    assert recomputed_loss == pytest.approx(kept_loss, rel=1e-3)
+    for grad, kept in zip(grads, kept_grads, strict=True):
+        assert (grad - kept).abs().max() <= 2e-2 * kept.abs().max()
+    assert peak < 0.6 * kept_peak
+
+
 def test_sampling_respects_the_filter_and_restores_training_mode():
     model = make_model().train()
     out = model.sample(torch.randint(0, 64, (7,)), 12, temperature=1.0, filter_thres=0.9, use_cache_kv=True)
