@@ -7,8 +7,9 @@ its run directory:
 - ``config.json``: the resolved settings, plus a ``run`` section (corpus, device,
   attention backend, CUDA graphs or not, world size, parameter count);
 - ``metrics.jsonl``: one JSON object per logged step: ``step``, ``loss`` (nats),
-  ``bpb``, ``lr``, ``grad_norm``, ``tokens_per_s``, and ``val_loss`` / ``val_bpb`` on
-  validation steps;
+  ``bpb``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``val_loss`` / ``val_bpb`` on
+  validation steps, and with CUDA ``peak_memory_gib``, the most memory PyTorch held
+  allocated since the record before;
 - ``loss_curve.png``: train and validation bits per byte against step, overlaid with the
   comparable runs beside it (see ``plotting.py``);
 - ``samples.txt``: text generated with the KV cache from a fixed validation prompt;
@@ -778,6 +779,9 @@ class Trainer:
                     if _due(step, config.log_every) or "val_bpb" in record or last:
                         record["tokens_per_s"] = window_tokens / window_seconds
                         window_tokens, window_seconds = 0, 0.0
+                        if self.device.type == "cuda":
+                            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                            torch.cuda.reset_peak_memory_stats(self.device)
                         if self.is_main:
                             _append_jsonl(self.metrics_path, record)
                     progress.set_postfix(loss=f"{loss:.3f}", bpb=f"{record['bpb']:.3f}",

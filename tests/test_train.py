@@ -98,6 +98,7 @@ def test_tiny_run_writes_config_metrics_plot_samples_and_checkpoints(corpus, tmp
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 41))
     assert all({"step", "loss", "bpb", "lr", "grad_norm", "tokens_per_s"} <= r.keys() for r in records)
+    assert not any("peak_memory_gib" in r for r in records)  # CUDA only
     assert [r["step"] for r in records if "val_bpb" in r] == [20, 40]
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
     assert first > 5.0 and last < first - 2.0  # from ln(256) toward the corpus's entropy
@@ -169,6 +170,8 @@ def test_cuda_graph_steps_match_eager_ones(attn, corpus, tmp_path):
     for step, eager_loss, graph_loss in losses:
         assert math.isclose(graph_loss, eager_loss, rel_tol=2e-3), f"step {step}; (step, eager, graph): {losses}"
     assert math.isclose(graph[-1]["val_bpb"], eager[-1]["val_bpb"], rel_tol=2e-3), (graph[-1], eager[-1])
+    # Every record holds the peak memory since the one before: a small model, well under a GiB.
+    assert all(0 < r["peak_memory_gib"] < 1 for r in eager + graph)
 
 
 @pytest.mark.gpu
