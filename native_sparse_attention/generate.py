@@ -5,8 +5,9 @@ Command line (a checkpoint, or the latest one of a run directory)::
     python -m native_sparse_attention.generate --checkpoint runs/enwik8-sparse \\
         --prompt "The history of " --length 512
 
-prints the prompt followed by what the model writes after it. Decoding runs one byte per
-step through the layers' caches; on CUDA, with sparse layers on the Triton kernels, each
+prints the prompt followed by what the model writes after it, byte by byte as it is drawn
+(with ``--samples`` above 1, each continuation once all are done). Decoding runs one byte
+per step through the layers' caches; on CUDA, with sparse layers on the Triton kernels, each
 step replays from a CUDA graph (``Transformer.sample``). Invalid arguments end the
 program with one line on stderr and exit code 2.
 """
@@ -14,13 +15,14 @@ program with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import codecs
 import math
 import os
 import sys
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -32,10 +34,12 @@ __all__ = ["generate", "main"]
 
 
 def generate(model: Transformer, prompt: bytes, length: int, *, samples: int = 1, temperature: float = 1.0,
-             filter_thres: float = 0.9, seed: int = 0, use_cuda_graph: bool = False) -> list[bytes]:
+             filter_thres: float = 0.9, seed: int = 0, use_cuda_graph: bool = False,
+             on_bytes: Callable[[list[int]], None] | None = None) -> list[bytes]:
     """``samples`` continuations of ``prompt``, ``length`` bytes each, from ``model`` on its
     device (bf16 autocast on CUDA). The same seed gives the same bytes on the same device;
-    the caller's random state is left as it was."""
+    the caller's random state is left as it was. ``on_bytes`` receives each step's byte of
+    every sample as it is drawn."""
     device = next(model.parameters()).device
     ids = torch.tensor(list(prompt), dtype=torch.long, device=device).repeat(samples, 1)
     precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -44,7 +48,8 @@ def generate(model: Transformer, prompt: bytes, length: int, *, samples: int = 1
     with torch.random.fork_rng(devices=gpus), precision:
         torch.manual_seed(seed)
         generated = model.sample(ids, ids.shape[1] + length, temperature=temperature, filter_thres=filter_thres,
-                                 use_cache_kv=True, use_cuda_graph=use_cuda_graph)
+                                 use_cache_kv=True, use_cuda_graph=use_cuda_graph,
+                                 on_token=None if on_bytes is None else lambda tokens: on_bytes(tokens.tolist()))
     return [bytes(row.tolist()) for row in generated]
 
 
@@ -106,13 +111,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail("--cuda-graph needs CUDA and a model whose sparse attention runs on the triton backend")
     use_cuda_graph = graphable if args.cuda_graph is None else args.cuda_graph
 
-    texts = generate(model.to(device), prompt, args.length, samples=args.samples, temperature=args.temperature,
-                     filter_thres=args.filter_thres, seed=args.seed, use_cuda_graph=use_cuda_graph)
+    options = dict(samples=args.samples, temperature=args.temperature, filter_thres=args.filter_thres,
+                   seed=args.seed, use_cuda_graph=use_cuda_graph)
+    if args.samples == 1:
+        # One continuation streams out byte by byte, decoded as UTF-8 once its sequences complete.
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        write = partial(_write, decoder)
+        write(prompt)
+        generate(model.to(device), prompt, args.length, on_bytes=lambda step: write(bytes(step)), **options)
+        write(b"", final=True)
+        print(flush=True)
+        return 0
+    texts = generate(model.to(device), prompt, args.length, **options)
     for index, text in enumerate(texts):
-        if args.samples > 1:
-            print(f"--- sample {index + 1} of {args.samples}")
+        print(f"--- sample {index + 1} of {args.samples}")
         print((prompt + text).decode("utf-8", errors="replace"), flush=True)
     return 0
+
+
+def _write(decoder: codecs.IncrementalDecoder, data: bytes, final: bool = False) -> None:
+    sys.stdout.write(decoder.decode(data, final=final))
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ baseline, full attention."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -143,7 +145,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def sample(self, prompt: torch.Tensor, seq_len: int, temperature: float = 1.0, filter_thres: float = 0.9,
-               use_cache_kv: bool = False, use_cuda_graph: bool = False) -> torch.Tensor:
+               use_cache_kv: bool = False, use_cuda_graph: bool = False,
+               on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Continue ``prompt: [b, p]`` (or ``[p]``) until it is ``seq_len`` tokens long.
 
         Sampling keeps the top ``1 - filter_thres`` fraction of the logits; ``temperature=0``
@@ -151,6 +154,7 @@ class Transformer(nn.Module):
         ``use_cache_kv`` decodes one token per step through the layers' caches;
         ``use_cuda_graph`` also captures that step in a CUDA graph and replays it (CUDA
         and sparse layers on the Triton kernels only), after a prefill of the prompt.
+        ``on_token`` is called with each step's tokens, ``[b]`` (streaming them out).
         """
         if not self.causal:
             raise ValueError("sample needs a causal model")
@@ -186,6 +190,8 @@ class Transformer(nn.Module):
                 probs = F.softmax((kept - kept.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
                 next_token = torch.multinomial(probs, 1)
             out = torch.cat((out, next_token), dim=1)
+            if on_token is not None:
+                on_token(next_token[:, 0])
         self.train(was_training)
         generated = out[:, prompt_len:]
         return generated[0] if squeeze else generated

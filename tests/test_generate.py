@@ -38,7 +38,15 @@ def test_samples_depend_on_the_seed_alone_and_leave_the_callers_rng_alone():
     assert len(set(first)) > 1  # a batch of samples, not one sample repeated
 
 
+def test_each_steps_bytes_reach_the_callback_as_they_are_drawn():
+    model, steps = small_model(), []
+    texts = generate(model, b"abc", 9, samples=2, seed=3, on_bytes=steps.append)
+    assert len(steps) == 9 and all(len(step) == 2 for step in steps)
+    assert [bytes(column) for column in zip(*steps)] == texts == generate(model, b"abc", 9, samples=2, seed=3)
+
+
 def test_cli_prints_the_prompt_and_its_continuation(run_dir, capsys):
+    """One sample streams out byte by byte; the text is the whole continuation's decoding."""
     assert main(["--checkpoint", str(run_dir), "--prompt", "Hello", "--length", "16", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out
     continuation = generate(small_model(), b"Hello", 16, temperature=0.0)[0]
