@@ -6,9 +6,11 @@ Each file holds a dict with at least
 - ``"model_config"``: ``Transformer.config``, so ``Transformer(**model_config)`` rebuilds it;
 - ``"step"``: the number of optimizer steps taken;
 
-and, for resuming, the optimizer, sampler and RNG states. Files are written to a temporary
-name and renamed into place, so a crash never leaves a truncated checkpoint, and only the
-newest ``keep`` are kept. Everything is loadable with ``torch.load(..., weights_only=True)``.
+and, for resuming, the optimizer, sampler and RNG states and the run's settings
+(``"train_config"``). Files are written to a temporary name and renamed into place, so a
+crash never leaves a truncated checkpoint, and only the newest ``keep`` are kept.
+Everything is loadable with ``torch.load(..., weights_only=True)``; ``load_model``
+rebuilds the model of a checkpoint file or of a run's latest one.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
