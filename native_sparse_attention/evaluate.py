@@ -118,6 +118,8 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
                         "[0, 90%%), validation [90%%, 95%%) or test [95%%, 100%%) (default: test)")
     parser.add_argument("--data", default=None, help="enwik8, stdlib or a path to a file of bytes (default: the "
                         "corpus the run trained on, or enwik8 when it is available and stdlib when not)")
+    parser.add_argument("--data-dir", default=None, help="folder that keeps enwik8.gz (default: the run's, else "
+                        "data)")
     parser.add_argument("--seq-len", type=int, default=None, help="bytes per window (default: the run's)")
     parser.add_argument("--stride", type=int, default=None,
                         help="bytes between window starts; every byte is scored with at least SEQ_LEN - STRIDE "
@@ -155,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch_size = args.batch_size or settings.get("batch_size") or 16
 
     try:
-        corpus = load_corpus(args.data or settings.get("data"), announce=lambda line: print(line, file=sys.stderr))
+        corpus = load_corpus(args.data or settings.get("data"), args.data_dir or settings.get("data_dir", "data"),
+                             announce=lambda line: print(line, file=sys.stderr))
     except DataError as error:
         fail(str(error))
     text = corpus_split(corpus.data, args.split)[:args.max_bytes]

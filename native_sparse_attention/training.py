@@ -54,6 +54,8 @@ from native_sparse_attention.checkpoint import (
     save_checkpoint,
 )
 from native_sparse_attention.data import (
+    ENWIK8,
+    STDLIB,
     DataError,
     RandomOffsetSampler,
     load_corpus,
@@ -142,9 +144,11 @@ class TrainConfig:
                                               "batches and the samples' decoding steps from CUDA graphs (CUDA, "
                                               "the triton backend or full attention, no --compile; default: "
                                               "on wherever those hold)", bool)
-    data: str | None = _setting(None, "enwik8 (downloaded to data/enwik8.gz when missing), stdlib (the Python "
+    data: str | None = _setting(None, "enwik8 (downloaded to DATA_DIR/enwik8.gz when missing), stdlib (the Python "
                                       "standard library's source) or a path to any file of bytes, plain or "
                                       ".gz (default: enwik8, or stdlib when it cannot be downloaded)", str)
+    data_dir: str = _setting("data", "folder that keeps enwik8.gz; saved as an absolute path, so that resumed "
+                                     "runs and the evaluate command find it from anywhere", str)
     seed: int = _setting(0, "seed of the initialisation and of the data order", int)
     device: str | None = _setting(None, "cuda or cpu (default: cuda when available)", str, choices=("cuda", "cpu"))
     log_every: int = _setting(10, "steps between metrics records", int, 1)
@@ -296,7 +300,9 @@ def resolve_config(argv: list[str] | None) -> tuple[TrainConfig, Path, bool]:
         _check_cuda_graph(config, use_cuda)
     if config.prime_len > config.seq_len:
         raise UsageError(f"--prime-len {config.prime_len} must not exceed --seq-len {config.seq_len}")
-    return config, Path(run_dir), resume
+    # Absolute, so that the saved settings name the same files from any working directory.
+    data = config.data if config.data in (None, ENWIK8, STDLIB) else str(Path(config.data).absolute())
+    return replace(config, data=data, data_dir=str(Path(config.data_dir).absolute())), Path(run_dir), resume
 
 
 def _saved_config(run_dir: Path) -> TrainConfig:
@@ -486,12 +492,12 @@ def _load_corpus(config: TrainConfig, runtime: Runtime, announce):
     """Rank 0 finds the corpus (downloading or falling back); the other ranks then read the
     same one, or raise the same error."""
     if not runtime.distributed:
-        return load_corpus(config.data, announce=announce)
+        return load_corpus(config.data, config.data_dir, announce=announce)
     message = [None]
     corpus = None
     if runtime.is_main:
         try:
-            corpus = load_corpus(config.data, announce=announce)
+            corpus = load_corpus(config.data, config.data_dir, announce=announce)
             message = [("ok", corpus.name)]
         except DataError as error:
             message = [("error", str(error))]
@@ -499,7 +505,7 @@ def _load_corpus(config: TrainConfig, runtime: Runtime, announce):
     status, value = message[0]
     if status == "error":
         raise DataError(value)
-    return corpus if runtime.is_main else load_corpus(value)
+    return corpus if runtime.is_main else load_corpus(value, config.data_dir)
 
 
 class StopSignals:

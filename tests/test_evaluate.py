@@ -1,5 +1,6 @@
 """Bits per byte over a whole split: ``native_sparse_attention.evaluate``."""
 
+import gzip
 import json
 import math
 import re
@@ -149,6 +150,22 @@ def test_cli_needs_a_window_length_for_checkpoints_without_training_settings(tmp
     assert "does not record its training settings: give --seq-len" in capsys.readouterr().err
     assert main(["--checkpoint", str(tmp_path), "--data", str(corpus_file), "--seq-len", "16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stride"] == 8
+
+
+def test_enwik8_is_read_from_the_runs_data_dir_wherever_the_command_runs(tmp_path, monkeypatch, capsys):
+    """The run's absolute data_dir, not ./data: no second download from another directory."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "enwik8.gz").write_bytes(gzip.compress(bytes(random_text(2000, seed=2).tolist())))
+    save_checkpoint(small_model(), tmp_path / "run",
+                    train_config={"data": "enwik8", "data_dir": str(store), "seq_len": 16})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["--checkpoint", str(tmp_path / "run"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["corpus"] == "enwik8" and result["scored_bytes"] == 99
+    assert not (elsewhere / "data").exists()
 
 
 def test_windows_longer_than_the_text_are_reported_as_used(tmp_path, corpus_file, capsys):

@@ -126,6 +126,16 @@ def test_tiny_run_writes_config_metrics_plot_samples_and_checkpoints(corpus, tmp
     assert score["bits_per_byte"] < 8.0
 
 
+def test_corpus_paths_are_saved_absolute(tmp_path, monkeypatch):
+    """So that a resumed run, or the evaluate command, finds the same files from any directory."""
+    monkeypatch.chdir(tmp_path)
+    config, _, _ = training.resolve_config(["--device", "cpu", "--data", "corpus.bin", "--data-dir", "store"])
+    assert config.data == str(tmp_path / "corpus.bin") and config.data_dir == str(tmp_path / "store")
+    for name in ("enwik8", "stdlib"):
+        assert training.resolve_config(["--device", "cpu", "--data", name])[0].data == name
+    assert training.resolve_config(["--device", "cpu"])[0].data_dir == str(tmp_path / "data")
+
+
 def test_activation_checkpointing_trains_the_same_run(corpus, tmp_path):
     """Recomputed activations on the CPU: the same losses and gradient norms, step by step."""
     flags = ("--steps", "6", "--log-every", "1", "--val-every", "0", "--sample-every", "0", "--checkpoint-every", "0")
