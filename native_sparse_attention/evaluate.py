@@ -19,7 +19,6 @@ import json
 import math
 import sys
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Sequence
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from native_sparse_attention.checkpoint import model_from_checkpoint, read_checkpoint
 from native_sparse_attention.cli import add_device_argument, checkpoint_parser, exit_with_error, resolve_device
 from native_sparse_attention.data import SPLITS, DataError, corpus_split, load_corpus
-from native_sparse_attention.transformer import Transformer
+from native_sparse_attention.transformer import Transformer, autocast
 
 __all__ = ["Score", "score_bytes", "scoring_windows", "main"]
 
@@ -81,11 +80,10 @@ def score_bytes(model: Transformer, text: torch.Tensor, seq_len: int, stride: in
     length = min(seq_len, text.numel() - 1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     scored_sum = torch.zeros((), dtype=torch.long, device=device)
-    precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), precision, _progress(len(windows), progress) as bar:
+        with torch.no_grad(), autocast(device), _progress(len(windows), progress) as bar:
             for batch in range(0, len(windows), batch_size):
                 starts, firsts = (torch.tensor(column) for column in zip(*windows[batch:batch + batch_size]))
                 ids = text[starts[:, None] + torch.arange(length + 1)].long().to(device)

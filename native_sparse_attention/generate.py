@@ -20,7 +20,6 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 
 from native_sparse_attention.checkpoint import load_model
 from native_sparse_attention.cli import add_device_argument, checkpoint_parser, exit_with_error, resolve_device
-from native_sparse_attention.transformer import Transformer
+from native_sparse_attention.transformer import Transformer, autocast
 
 __all__ = ["generate", "main"]
 
@@ -42,10 +41,9 @@ def generate(model: Transformer, prompt: bytes, length: int, *, samples: int = 1
     every sample as it is drawn."""
     device = next(model.parameters()).device
     ids = torch.tensor(list(prompt), dtype=torch.long, device=device).repeat(samples, 1)
-    precision = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     # manual_seed seeds every GPU, so every GPU's state is put back.
     gpus = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=gpus), precision:
+    with torch.random.fork_rng(devices=gpus), autocast(device):
         torch.manual_seed(seed)
         generated = model.sample(ids, ids.shape[1] + length, temperature=temperature, filter_thres=filter_thres,
                                  use_cache_kv=True, use_cuda_graph=use_cuda_graph,

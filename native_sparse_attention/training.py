@@ -65,7 +65,7 @@ from native_sparse_attention.data import (
 )
 from native_sparse_attention.cuda_graph import GraphedLoss, GraphedLossBackward
 from native_sparse_attention.generate import generate
-from native_sparse_attention.transformer import Transformer
+from native_sparse_attention.transformer import Transformer, autocast
 
 __all__ = [
     "PRESETS",
@@ -362,11 +362,6 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     progress = min(1.0, step / config.steps)
     decay = MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
     return config.lr * warmup * decay
-
-
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; full precision on the CPU."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
 def train_step(model, optimizer, micro_batches: list[torch.Tensor], grad_clip: float, no_sync=None,

@@ -4,6 +4,7 @@ baseline, full attention."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def autocast(device: torch.device):
+    """The precision the language model runs in: bf16 autocast on CUDA, full precision on
+    the CPU (training, sampling and scoring alike)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
 def _block(attn: nn.Module, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
