@@ -66,6 +66,11 @@ def _grouped_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return rearrange(stacked @ y, "b hk (g m) p -> b (hk g) m p", m=x.shape[2])
 
 
+def _per_query(document_start: torch.Tensor) -> torch.Tensor:
+    """``document_start: [b, m]`` -> ``[b, 1, m, 1]``, to compare with key positions ``[.., keys]``."""
+    return document_start.long()[:, None, :, None]
+
+
 def _masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the last dim of ``logits`` restricted to ``mask``.
 
@@ -90,11 +95,14 @@ def sliding_window_attend(
     causal: bool = True,
     scale: float | None = None,
     q_offset: int = 0,
+    document_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sliding-window attention.
 
     Query at position ``i`` attends the keys ``j`` with ``0 <= i - j <= window_size`` when
-    ``causal``, and ``|i - j| <= window_size`` otherwise.
+    ``causal``, and ``|i - j| <= window_size`` otherwise; with ``document_start`` (``[b, m]``
+    integer, the position of the first token of each query's document) only the keys
+    ``j >= document_start[i]`` among them.
 
     q: [b, hq, m, d], k, v: [b, hk, n, d] -> (out [b, hq, m, d], lse [b, hq, m])
     """
@@ -114,6 +122,8 @@ def sliding_window_attend(
         mask = (distance >= 0) & (distance <= window_size)
     else:
         mask = distance.abs() <= window_size
+    if document_start is not None:
+        mask = mask & (k_pos >= _per_query(document_start))
     probs, lse = _masked_softmax(logits, mask.expand_as(logits))
     return _grouped_matmul(probs, v[:, :, first:end].to(dtype)).to(q.dtype), lse
 
@@ -147,13 +157,16 @@ def compressed_attend(
     scale: float | None = None,
     q_offset: int = 0,
     return_probs: bool = False,
+    document_start: torch.Tensor | None = None,
 ):
     """Attention over compressed blocks of keys/values plus learned memory key/values.
 
     ``ck, cv: [b, hk, num_mem + nc, d]`` hold the memory keys first, then the compressed
     block keys in order. Memory keys are seen by every query. When ``causal``, the query at
     position ``i`` sees compressed block ``c`` only when the block's last token
-    ``c * compress_stride + compress_block_size - 1`` is ``< i``.
+    ``c * compress_stride + compress_block_size - 1`` is ``< i``. With ``document_start``
+    (``[b, m]`` integer, the position of the first token of each query's document) it
+    also needs the block's first token ``c * compress_stride >= document_start[i]``.
 
     q: [b, hq, m, d] -> (out [b, hq, m, d], lse [b, hq, m]) and, when ``return_probs``,
     also the attention probabilities ``[b, hq, m, num_mem + nc]`` in the compute dtype
@@ -173,6 +186,11 @@ def compressed_attend(
         mask = (last_pos[None, :] < q_pos).expand_as(logits)
     else:
         mask = torch.ones_like(logits, dtype=torch.bool)
+    if document_start is not None:
+        first_pos = torch.arange(num_keys - num_mem, device=q.device) * compress_stride
+        in_document = first_pos >= _per_query(document_start)
+        memory = in_document.new_ones(()).expand(*in_document.shape[:3], num_mem)
+        mask = mask & torch.cat((memory, in_document), dim=-1)
 
     probs, lse = _masked_softmax(logits, mask)
     out = _grouped_matmul(probs, cv.to(dtype)).to(q.dtype)

@@ -115,8 +115,11 @@ def selectable_blocks(
     num_selection: int,
     causal: bool,
     device: torch.device | None = None,
+    document_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[m, num_selection]`` bool: which blocks may be selected by each query.
+    """``[m, num_selection]`` bool: which blocks may be selected by each query; with
+    ``document_start`` (``[b, m]`` integer, the first token of each query's document, whose
+    compressed blocks the query then sees only from there on) ``[b, 1, m, num_selection]``.
 
     Query ``r`` sits at position ``q_offset + r``.
     """
@@ -136,6 +139,9 @@ def selectable_blocks(
         visible = (last_pos[None, :] < q_pos).float()
     else:
         visible = torch.ones(num_queries, num_compressed, device=device)
+    if document_start is not None:
+        first_pos = torch.arange(num_compressed, device=device) * compress_stride
+        visible = (visible * (first_pos >= document_start.long()[:, :, None]))[:, None]
     selectable = (visible @ overlap) > 0
     if causal:
         own_block = q_pos // selection_block_size
@@ -148,7 +154,7 @@ def select_blocks(
 ) -> BlockSelection:
     """Top-``num_selected`` selectable blocks by score.
 
-    scores: [b, hs, m, nsb]; selectable: [m, nsb] (broadcast) or [b, hs, m, nsb].
+    scores: [b, hs, m, nsb]; selectable: [m, nsb], or any shape that broadcasts to scores'.
     Slots beyond the number of selectable blocks are masked (index 0, mask False).
     """
     *lead, num_blocks = scores.shape

@@ -11,6 +11,7 @@ kernel forgets to write shows up as NaN / a bogus index.
 import pytest
 import torch
 
+from native_sparse_attention.documents import document_bounds  # noqa: E402
 from native_sparse_attention.kernels import compressed  # noqa: E402
 from native_sparse_attention.kernels.compressed import compressed_attend_and_select  # noqa: E402
 from native_sparse_attention.reference import compressed_attend  # noqa: E402
@@ -55,14 +56,15 @@ def make_inputs(b, hq, hk, n, d, cbs, stride, num_mem, dtype, seed, heads_last=F
     return rand(hq, n, 2.0), rand(hk, num_keys), rand(hk, num_keys)
 
 
-def reference(q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share, chosen=None):
+def reference(q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share, chosen=None,
+              document_start=None):
     """float64 out, lse, gradients, and the full importance matrix with its candidates.
 
     ``chosen = (indices, mask, dscores)`` adds ``sum(dscores * score of each chosen block)``
     to the loss, so the gradients include the path through the selection scores."""
     q64, ck64, cv64 = (t.detach().double().requires_grad_() for t in (q, ck, cv))
     out, lse, probs = compressed_attend(q64, ck64, cv64, cbs, stride, num_mem, causal=causal,
-                                        return_probs=True)
+                                        return_probs=True, document_start=document_start)
     n, hk = q.shape[2], ck.shape[1]
     nc, nsel = ck.shape[2] - num_mem, num_selection_blocks(n, sbs)
     scores = selection_block_scores(probs[..., num_mem:], cbs, stride, sbs, nsel,
@@ -73,7 +75,7 @@ def reference(q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share, chosen=
         chosen_scores = scores.gather(-1, indices).masked_fill(~mask, 0.0)
         loss = loss + (chosen_scores * dscores.double()).sum()
     loss.backward()
-    selectable = selectable_blocks(n, 0, nc, cbs, stride, sbs, nsel, causal, q.device)
+    selectable = selectable_blocks(n, 0, nc, cbs, stride, sbs, nsel, causal, q.device, document_start)
     return out, lse, (q64.grad, ck64.grad, cv64.grad), scores.detach(), selectable
 
 
@@ -126,14 +128,26 @@ def assert_close_scaled(actual, expected, tol):
     torch.testing.assert_close(actual.double(), expected, atol=tol * scale, rtol=tol)
 
 
+def packed_bounds(lengths_per_row):
+    """(document_start, document_end) on DEVICE of rows packing documents of the given
+    lengths, each row's lengths summing to n."""
+    ids = torch.stack([torch.cat([torch.full((length,), number) for number, length in enumerate(lengths)])
+                       for lengths in lengths_per_row])
+    return tuple(t.to(DEVICE) for t in document_bounds(ids))
+
+
 def check_against_reference(b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, share,
-                            dtype=torch.float32, seed=0, heads_last=False, score_grad=False):
+                            dtype=torch.float32, seed=0, heads_last=False, score_grad=False,
+                            documents=None):
     """Forward, LSE, selection and gradients against the float64 reference; with
-    ``score_grad`` the loss also weighs the chosen blocks' scores (differentiable top-n)."""
+    ``score_grad`` the loss also weighs the chosen blocks' scores (differentiable top-n).
+    ``documents``: the document lengths of each row, packed (``packed_bounds``)."""
     q, ck, cv = make_inputs(b, hq, hk, n, d, cbs, stride, num_mem, dtype, seed, heads_last)
     q.requires_grad_(), ck.requires_grad_(), cv.requires_grad_()
+    document_start, document_end = (None, None) if documents is None else packed_bounds(documents)
     out, lse, selection = compressed_attend_and_select(
-        q, ck, cv, cbs, stride, num_mem, sbs, top, causal=causal, share_selection=share
+        q, ck, cv, cbs, stride, num_mem, sbs, top, causal=causal, share_selection=share,
+        document_start=document_start, document_end=document_end,
     )
     gen = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(out.shape, generator=gen).to(DEVICE, dtype)
@@ -146,7 +160,7 @@ def check_against_reference(b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, cau
         chosen = (selection.indices, selection.mask, dscores)
     loss.backward()
     ref_out, ref_lse, ref_grads, scores, selectable = reference(
-        q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share, chosen
+        q, ck, cv, dout, cbs, stride, num_mem, sbs, causal, share, chosen, document_start
     )
     tol, tie_tol, score_tol = tolerances(dtype)
 
@@ -199,6 +213,105 @@ SCORE_GRAD_CASES = {
 @pytest.mark.parametrize("case", SCORE_GRAD_CASES.values(), ids=SCORE_GRAD_CASES.keys())
 def test_score_gradients_match_reference(case):
     check_against_reference(*case, seed=5, score_grad=True)
+
+
+# b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, share, document lengths of each row
+DOCUMENT_CASES = {
+    # Windows of two blocks: the 16-token documents hold no whole window, and windows
+    # that cross a document's end are seen by nobody.
+    "windows_of_two_blocks_group2": (2, 4, 2, 112, 16, 32, 8, 1, 16, 3, True, [[16, 48, 48], [64, 16, 32]]),
+    "one_window_per_block_per_head": (2, 4, 2, 96, 32, 16, 8, 2, 16, 2, False, [[48, 16, 32], [96]]),
+    # Without memory keys, the queries of a document's first window see no key at all.
+    "no_memory_group3": (1, 3, 1, 128, 16, 16, 8, 0, 16, 4, True, [[32, 16, 80]]),
+    # Stride 2: 63 compressed keys in four key tiles (16 keys under the interpreter) and
+    # chunks of 3 blocks, so documents start inside key tiles and query tiles, and the
+    # loops skip, mask and run unmasked tiles.
+    "many_key_tiles": (2, 2, 1, 128, 16, 4, 2, 1, 8, 3, True, [[40, 8, 80], [16, 56, 8, 48]]),
+    "many_key_tiles_per_head_no_memory": (1, 4, 2, 128, 16, 8, 2, 0, 8, 2, False, [[24, 104]]),
+}
+
+
+@pytest.mark.parametrize("case", DOCUMENT_CASES.values(), ids=DOCUMENT_CASES.keys())
+def test_packed_documents_match_reference(case):
+    *geometry, share, documents = case
+    check_against_reference(*geometry, True, share, seed=21, documents=documents)
+
+
+@pytest.mark.parametrize("case", ["windows_of_two_blocks_group2", "many_key_tiles_per_head_no_memory"])
+def test_packed_documents_score_gradients_match_reference(case):
+    *geometry, share, documents = DOCUMENT_CASES[case]
+    check_against_reference(*geometry, True, share, seed=22, score_grad=True, documents=documents)
+
+
+def test_packed_documents_float16():
+    check_against_reference(2, 4, 2, 96, 32, 16, 8, 1, 16, 3, True, True, dtype=torch.float16, seed=23,
+                            documents=[[16, 48, 32], [32, 64]])
+
+
+def test_packed_documents_split_among_programs(monkeypatch):
+    """Rows of documents whose selection chunks and dK / dV query tiles several programs
+    share (short training sequences on a big GPU), at the interpreter's tiles."""
+    shares = []
+
+    def three_shares(programs, parts, *_):
+        shares.append(min(parts, 3))
+        return shares[-1]
+
+    monkeypatch.setattr(compressed, "_shares", three_shares)
+    small = compressed._Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    monkeypatch.setattr(compressed, "_launch", lambda kernel, q: small)
+    *geometry, share, documents = DOCUMENT_CASES["many_key_tiles"]
+    check_against_reference(*geometry, True, share, seed=24, score_grad=True, documents=documents)
+    assert len(shares) == 2 and min(shares) > 1
+
+
+def test_documents_none_changes_nothing_and_one_document_per_row_little():
+    """Passing None documents gives the bits of leaving them out; one document per row,
+    the same values (the memory keys' gradients are summed in another order)."""
+    q, ck, cv = make_inputs(2, 4, 2, 64, 16, 8, 4, 1, torch.float32, seed=25)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(26)).to(DEVICE)
+    runs = []
+    for documents in ({}, dict(document_start=None, document_end=None),
+                      dict(zip(("document_start", "document_end"), packed_bounds([[64], [64]])))):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, ck, cv)]
+        out, lse, selection = compressed_attend_and_select(*inputs, 8, 4, 1, 16, 3, **documents)
+        (out * dout).sum().backward()
+        runs.append((out, lse, *selection, *(t.grad for t in inputs)))
+    for expected, actual in zip(runs[0], runs[1]):
+        assert torch.equal(expected, actual)
+    for expected, actual in zip(runs[0], runs[2]):
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_packed_documents_cpu_fallback_matches_kernels(monkeypatch):
+    q, ck, cv = make_inputs(2, 4, 2, 64, 16, 16, 8, 1, torch.float32, seed=27)
+    documents = dict(zip(("document_start", "document_end"), packed_bounds([[16, 48], [32, 32]])))
+    args = (q, ck, cv, 16, 8, 1, 16, 2)
+    out, lse, selection = compressed_attend_and_select(*args, share_selection=False, **documents)
+    monkeypatch.setattr(compressed, "_use_kernels", lambda device: False)
+    ref_out, ref_lse, ref_selection = compressed_attend_and_select(*args, share_selection=False, **documents)
+    tol = tolerances(torch.float32)[0]
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    assert torch.equal(selection.mask, ref_selection.mask)
+    assert torch.equal(selection.indices, ref_selection.indices)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(document_end=None), "both or neither"),
+    (dict(q_offset=16), "q_offset"),
+    (dict(causal=False), "causal"),
+    (dict(document_start=torch.zeros(1, 31, dtype=torch.int32)), r"document_start must be \[b=1, n=32\]"),
+    (dict(document_end=torch.zeros(1, 32)), "document_end must be an integer tensor"),
+])
+def test_invalid_documents_name_the_problem(change, message):
+    kwargs = dict(q=torch.zeros(1, 2, 32, 16), ck=torch.zeros(1, 1, 7, 16), cv=torch.zeros(1, 1, 7, 16),
+                  compress_block_size=8, compress_stride=4, num_mem=0, selection_block_size=8,
+                  num_selected=2, document_start=torch.zeros(1, 32, dtype=torch.int32),
+                  document_end=torch.full((1, 32), 32, dtype=torch.int32))
+    kwargs.update(change)
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        compressed_attend_and_select(**kwargs)
 
 
 def check_continuation(b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, share, offset,
@@ -444,6 +557,17 @@ def test_gpu_long_sequences(case, score_grad):
     """With ``score_grad`` the dK / dV kernel runs the differentiable top-n's own tiles."""
     *geometry, dtype = case
     check_against_reference(*geometry, dtype=dtype, seed=11, score_grad=score_grad)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("score_grad", [False, True], ids=["plain", "score_grad"])
+def test_gpu_packed_documents(dtype, score_grad):
+    """Documents from one selection block to half the row, at the compiled kernels' tiles."""
+    lengths = [64, 704, 128, 2048, 192, 4096, 960]
+    check_against_reference(2, 8, 2, 8192, 64, 32, 16, 1, 64, 16, True, True, dtype=dtype, seed=12,
+                            score_grad=score_grad, documents=[lengths, lengths[::-1]])
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ kernels run under the Triton interpreter on small float32 problems.
 """
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -227,9 +228,9 @@ def test_fast_path_layer_compiles_to_one_graph(monkeypatch, use_diff_topk):
     score_grads = []
     attention_backward = compressed._attention_backward
 
-    def recording_backward(*args):
-        score_grads.append(args[-1])
-        return attention_backward(*args)
+    def recording_backward(*args, **kwargs):
+        score_grads.append(inspect.signature(attention_backward).bind(*args, **kwargs).arguments.get("score_grad"))
+        return attention_backward(*args, **kwargs)
 
     monkeypatch.setattr(compressed, "_attention_backward", recording_backward)
     torch.manual_seed(0)
