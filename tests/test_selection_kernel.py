@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from native_sparse_attention import native_sparse_attend
+from native_sparse_attention.documents import document_bounds
 from native_sparse_attention.kernels import selection as selection_kernels
 from native_sparse_attention.kernels import selection_inverse
 from native_sparse_attention.kernels.selection import LaunchConfig
@@ -102,10 +103,14 @@ def make_inputs(case: Case, seed: int):
     return q, k, v, indices.to(DEVICE), fmask.to(DEVICE), sel_scale
 
 
-def run_kernels(case: Case, q, k, v, indices, fmask, sel_scale, monkeypatch=None):
-    """out, sliding_out (or None), lse of native_sparse_attend."""
+def run_kernels(case: Case, q, k, v, indices, fmask, sel_scale, monkeypatch=None, documents=None):
+    """out, sliding_out (or None), lse of native_sparse_attend; with ``documents``
+    (document_start, document_end), of the selection operator itself."""
     if case.launch:
         monkeypatch.setattr(selection_kernels, "default_launch_config", lambda *_, **__: LaunchConfig(**dict(case.launch)))
+    if documents is not None:
+        return selection_kernels.selection_attention(q, k, v, case.block_size, indices, fmask, sel_scale, case.causal,
+                                                     case.window, case.d ** -0.5, 0, *documents)
     sliding = case.window is not None
     outputs = native_sparse_attend(
         q, k, v, case.block_size, indices, fmask, sel_scale=sel_scale, include_block_causal=case.causal,
@@ -114,8 +119,10 @@ def run_kernels(case: Case, q, k, v, indices, fmask, sel_scale, monkeypatch=None
     return (outputs[0], outputs[1], outputs[2]) if sliding else (outputs[0], None, outputs[1])
 
 
-def reference(case: Case, q, k, v, indices, fmask, sel_scale, d_out, d_sliding, max_elements=2**27):
-    """float64 out, sliding_out, lse and gradients of q, k, v, sel_scale.
+def reference(case: Case, q, k, v, indices, fmask, sel_scale, d_out, d_sliding, max_elements=2**27,
+              document_start=None):
+    """float64 out, sliding_out, lse and gradients of q, k, v, sel_scale; the window kept
+    to the queries' documents with ``document_start`` [b, n].
 
     Runs in chunks of queries small enough for the reference's [chunk, keys, d] tensors,
     with the gradients accumulated over the chunks."""
@@ -137,8 +144,10 @@ def reference(case: Case, q, k, v, indices, fmask, sel_scale, d_out, d_sliding, 
         per_row = max_elements / (case.b * case.hq * case.d)  # chunk * (chunk + 2w) elements
         for rows in _chunks(case.n, int(math.sqrt(per_row + w * w) - w)):
             lo, hi = max(rows.start - w, 0), (rows.stop if case.causal else rows.stop + w)
+            # The reference compares document starts with positions in k[lo:hi].
+            starts = None if document_start is None else document_start[:, rows] - lo
             sliding, _ = sliding_window_attend(q64[:, :, rows], k64[:, :, lo:hi], v64[:, :, lo:hi], w,
-                                               causal=case.causal, q_offset=rows.start - lo)
+                                               causal=case.causal, q_offset=rows.start - lo, document_start=starts)
             (sliding * d_sliding[:, :, rows].double()).sum().backward()
             slidings.append(sliding.detach())
     grads = (q64.grad, k64.grad, v64.grad, None if s64 is None else s64.grad)
@@ -166,16 +175,19 @@ def assert_close_scaled(actual, expected, tol, name):
     torch.testing.assert_close(actual.double(), expected, atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}")
 
 
-def check_against_reference(case: Case, seed: int = 0, monkeypatch=None):
+def check_against_reference(case: Case, seed: int = 0, monkeypatch=None, document_ids=None):
+    """``document_ids`` [b, n]: packed documents, to which the window keeps."""
     q, k, v, indices, fmask, sel_scale = make_inputs(case, seed)
-    out, sliding, lse = run_kernels(case, q, k, v, indices, fmask, sel_scale, monkeypatch)
+    documents = None if document_ids is None else document_bounds(document_ids.to(DEVICE))
+    out, sliding, lse = run_kernels(case, q, k, v, indices, fmask, sel_scale, monkeypatch, documents)
     gen = torch.Generator().manual_seed(seed + 1)
     d_out = torch.randn(out.shape, generator=gen).to(DEVICE, case.dtype)
     d_sliding = torch.randn(out.shape, generator=gen).to(DEVICE, case.dtype)
     loss = (out * d_out).sum() + (0 if sliding is None else (sliding * d_sliding).sum())
     inputs = (q, k, v) + (() if sel_scale is None else (sel_scale,))
     grads = torch.autograd.grad(loss, inputs)
-    ref_out, ref_sliding, ref_lse, ref_grads = reference(case, q, k, v, indices, fmask, sel_scale, d_out, d_sliding)
+    ref_out, ref_sliding, ref_lse, ref_grads = reference(case, q, k, v, indices, fmask, sel_scale, d_out, d_sliding,
+                                                         document_start=None if documents is None else documents[0])
     tol = tolerance(case.dtype)
 
     assert out.dtype == case.dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
@@ -480,6 +492,94 @@ def test_kernels_match_cpu_fallback(monkeypatch):
         torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
 
 
+# --- packed documents: the window keeps to each query's document -------------------------
+
+
+def document_ids(n: int, *starts: tuple[int, ...]) -> torch.Tensor:
+    """[len(starts), n]: the documents of row r start at ``starts[r]`` (the first at 0)."""
+    ids = torch.zeros(len(starts), n, dtype=torch.long)
+    for row, row_starts in enumerate(starts):
+        for start in row_starts[1:]:
+            ids[row, start:] += 1
+    return ids
+
+
+SMALL_WINDOW_TILES = (("window_rows", 16), ("window_n", 16), ("window_dq_rows", 16), ("window_dq_n", 16),
+                      ("window_block_n", 16), ("window_block_m", 16))
+
+# case, the documents' starts in each row (multiples of the block size, as the layer has them)
+DOCUMENT_CASES = {
+    # Window tiles of 4 positions x 4 rows (group 3 padded) over 16-key steps: each tile
+    # inside one document, its walk starting at the document's first key tile; documents of
+    # 4 to 48 tokens, several shorter than the window, other boundaries in the second row.
+    "group3_d48_small_tiles": (Case(b=2, hq=6, hk=2, n=84, d=48, num_slots=2, window=24, launch=SMALL_WINDOW_TILES),
+                               ((0, 32, 48, 80), (0, 16, 64))),
+    # Tiles across documents: window tiles of 32 positions, forward steps of 64 keys (some
+    # documents start inside one), dK / dV tiles of 32 keys from two documents, a window
+    # longer than most documents.
+    "group2_straddling_tiles": (Case(b=2, hq=4, hk=2, n=100, d=32, num_slots=2, window=40,
+                                     launch=(("window_rows", 64), ("window_n", 64), ("window_dq_rows", 64),
+                                             ("window_dq_n", 32), ("window_block_n", 32), ("window_block_m", 16))),
+                                ((0, 16, 48, 64, 96), (0, 80))),
+    # The 2-byte defaults: window tiles of 8 positions x 16 heads, in a launch of their own.
+    "group16_fp16_defaults": (Case(hq=16, hk=1, n=80, d=16, num_slots=2, window=20, dtype=torch.float16),
+                              ((0, 16, 32, 64),)),
+    # The window's tiles after a key-major forward; dQ from the dK / dV pass.
+    "key_major_atomic_dq": (Case(hq=2, hk=1, n=64, d=16, num_slots=2, window=24, sel_scale=False,
+                                 launch=(("key_major_forward", True), ("atomic_dq", True))), ((0, 32, 48),)),
+}
+
+
+@pytest.mark.parametrize("case, starts", DOCUMENT_CASES.values(), ids=DOCUMENT_CASES.keys())
+def test_documents_match_reference(case, starts, monkeypatch):
+    """The window keeps to each query's document in the forward and the gradients; the
+    selection, whose blocks a document-aware selection would pick, is left as it is."""
+    check_against_reference(case, seed=12, monkeypatch=monkeypatch, document_ids=document_ids(case.n, *starts))
+
+
+def test_documents_window_lse_and_gated_sum(monkeypatch):
+    """The window's LSE keeps to the documents too, and the gated sum that the window's
+    launch writes takes the window's masked output and the other branches as they are."""
+    monkeypatch.setattr(selection_kernels, "default_launch_config",
+                        lambda *_, **__: LaunchConfig(window_fwd_warps=4, window_rows=32, window_n=32))
+    case = Case(b=2, hq=4, hk=2, n=64, d=16, num_slots=2, window=24)
+    q, k, v, indices, fmask, _ = (t.detach() for t in make_inputs(replace(case, sel_scale=True), seed=13))
+    documents = document_bounds(document_ids(case.n, (0, 16, 48), (0, 32)).to(DEVICE))
+    gen = torch.Generator().manual_seed(14)
+    gates = torch.rand(3, case.b, case.hq, case.n, generator=gen).to(DEVICE)
+    out_c = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out, _, swa_out, swa_lse, merged, _ = selection_kernels._launch_forward(
+        q, k, v, indices, fmask, None, case.block_size, True, case.window, case.d ** -0.5, 0, gates, out_c, False,
+        *documents,
+    )
+    ref, ref_lse = sliding_window_attend(q.double(), k.double(), v.double(), case.window, document_start=documents[0])
+    tol = tolerance(case.dtype)
+    assert_close_scaled(swa_out, ref, tol, "sliding_out")
+    torch.testing.assert_close(swa_lse.double(), ref_lse, atol=tol * 10, rtol=tol)
+    expected = gates[0, ..., None] * out_c + gates[1, ..., None] * out + gates[2, ..., None] * swa_out
+    torch.testing.assert_close(merged, expected.transpose(1, 2).flatten(2), atol=1e-6, rtol=1e-6)
+
+
+def test_one_document_is_no_documents_bit_for_bit(monkeypatch):
+    """A document spanning each row masks nothing: the same outputs and gradients, bit for
+    bit, as the call without documents (whose kernels are the ones from before documents)."""
+    monkeypatch.setattr(selection_kernels, "default_launch_config",
+                        lambda *_, **__: LaunchConfig(**dict(SMALL_WINDOW_TILES)))
+    case = Case(hq=4, hk=2, n=64, d=16, num_slots=2, window=24)
+    q, k, v, indices, fmask, sel_scale = make_inputs(case, seed=15)
+    args = (q, k, v, case.block_size, indices, fmask, sel_scale, True, case.window, case.d ** -0.5)
+    one_document = document_bounds(torch.zeros(case.b, case.n, dtype=torch.long, device=DEVICE))
+    gen = torch.Generator().manual_seed(16)
+    d_out, d_sliding = (torch.randn(q.shape, generator=gen).to(DEVICE) for _ in range(2))
+    results = []
+    for documents in ((), (0, *one_document)):
+        out, sliding, lse = selection_kernels.selection_attention(*args, *documents)
+        grads = torch.autograd.grad((out * d_out).sum() + (sliding * d_sliding).sum(), (q, k, v, sel_scale))
+        results.append((out, sliding, lse, *grads))
+    for name, without, with_one in zip(("out", "sliding_out", "lse", "dq", "dk", "dv", "dsel_scale"), *results):
+        assert torch.equal(without, with_one), name
+
+
 # --- input validation --------------------------------------------------------------------
 
 
@@ -574,6 +674,28 @@ GPU_CASES = {
 @pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
 def test_gpu_long_sequences(case):
     check_against_reference(case, seed=11)
+
+
+# case, the documents' starts in each row
+GPU_DOCUMENT_CASES = {
+    # Groups of 4: the key-major forward and dQ from the dK / dV pass (the defaults there).
+    "group4_d64_bf16": (Case(b=2, hq=16, hk=4, n=4096, d=64, block_size=64, num_slots=16, window=512,
+                             sel_scale=False, dtype=torch.bfloat16),
+                        ((0, 64, 640, 1024, 2048, 2112, 2944), (0, 1536, 4032))),
+    # Groups of 16: the query-side forward, the window in a launch of its own, the dQ pass.
+    "group16_d64_fp16": (Case(hq=32, hk=2, n=4100, d=64, block_size=64, num_slots=16, window=512,
+                              dtype=torch.float16), ((0, 128, 192, 1280, 3968, 4032),)),
+    # d = 128: the window tiles in the selection's launch.
+    "group8_d128_bf16": (Case(hq=8, hk=1, n=4096, d=128, block_size=64, num_slots=8, window=256,
+                              dtype=torch.bfloat16), ((0, 320, 384, 2560),)),
+}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case, starts", GPU_DOCUMENT_CASES.values(), ids=GPU_DOCUMENT_CASES.keys())
+def test_gpu_documents(case, starts):
+    check_against_reference(case, seed=11, document_ids=document_ids(case.n, *starts))
 
 
 def _key_major_forward(monkeypatch, key_major: bool):

@@ -21,7 +21,8 @@ SEL: selection slots per query; NUM_SETS: key sets per query (the own block when
 BLOCK_SIZE: tokens per selection block; FINE_N: keys per fine block, a multiple of 16
     dividing BLOCK_SIZE; TILES_PER_BLOCK: BLOCK_SIZE // FINE_N
 CAUSAL: include_block_causal (also makes the window causal); SLIDING: the launch also
-    runs the sliding window (its notation: ``kernels/sliding_window.py``)
+    runs the sliding window (its notation: ``kernels/sliding_window.py``, which also has
+    HAS_DOCS, DOC_START and DOC_END: packed documents, which mask the window alone)
 Entry: one (query i, selection head, key set) whose key set is a valid block; it owns
     SEL_SHARED_HEADS query rows. Key: one (batch z, kv head, key block), numbered
     (z * HKV + kv_head) * NUM_BLOCKS + block; NUM_KEYS of them.
@@ -287,7 +288,7 @@ def _selection_forward(
 @triton.jit(do_not_specialize=("M", "Q_START", "N"))
 def _fwd_kernel(
     Q, K_TILES, V_TILES, WINDOW_K_TILES, WINDOW_V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, SWA_O, SWA_LSE,
-    GATES, OUT_C, MERGED,
+    GATES, OUT_C, MERGED, DOC_START,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_gk, stride_gz, stride_gh, stride_gn,
     M, Q_START, Q_START_PTR, N, HQ, HS, NUM_WINDOW_TILES, sm_scale,
@@ -297,6 +298,7 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
     SLIDING: tl.constexpr, WINDOW: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr,
     WINDOW_N: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
     """Programs [0, NUM_WINDOW_TILES) of axis 0 run window tiles (only with SLIDING: they
     read the keys and values through the TMA descriptors WINDOW_K_TILES and
@@ -304,7 +306,9 @@ def _fwd_kernel(
     selection (through K_TILES and V_TILES, of FINE_N-key tiles). GATED (a
     launch of window tiles alone, after the selection's): the window tiles also write the
     layer's gated sum MERGED [Z, M, HQ * D] from GATES [3, Z, HQ, M] (any strides), the
-    compressed branch's OUT_C and the selection's O (``window_forward``)."""
+    compressed branch's OUT_C and the selection's O (``window_forward``). HAS_DOCS: the
+    window tiles keep to the documents of DOC_START [Z, M]; the selection needs no mask,
+    its blocks lying in the query's document."""
     Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     pid = tl.program_id(0)
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
@@ -314,8 +318,9 @@ def _fwd_kernel(
             window_forward(
                 Q, WINDOW_K_TILES, WINDOW_V_TILES, SWA_O, SWA_LSE, pid, z, kv_head, first_head,
                 stride_qz, stride_qh, stride_qn, stride_qd, M, Q_START, N, HQ, scale2,
-                GATES, OUT_C, O, MERGED, stride_gk, stride_gz, stride_gh, stride_gn,
+                GATES, OUT_C, O, MERGED, stride_gk, stride_gz, stride_gh, stride_gn, DOC_START,
                 SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS, WINDOW_N, D, D_PAD, CAUSAL, WINDOW, GATED, DOT_PRECISION,
+                HAS_DOCS,
             )
     else:
         _selection_forward(
@@ -1136,9 +1141,10 @@ def _merged_dtype(gates: torch.Tensor, q: torch.Tensor) -> torch.dtype:
 
 def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: torch.Tensor | None = None,
              gates: torch.Tensor | None = None, compressed_out: torch.Tensor | None = None,
-             table: KeyBlockEntries | None = None):
+             table: KeyBlockEntries | None = None, document_start: torch.Tensor | None = None):
     """(out, lse, swa_out, swa_lse, merged); the window's two are empty without a window.
     ``table``: the selection's inversion, which a key-major forward reads.
+    ``document_start``: see ``_launch_forward``.
 
     ``position``: a one-element int64 device tensor holding the position of query row 0,
     read by the kernel in place of ``problem.q_offset``.
@@ -1175,7 +1181,7 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
         launch(_fwd_kernel, (window_tiles + positions, problem.selection_heads, b),
             q, *key_tiles(problem.fine_n), *window_key_tiles, sel_idx, sel_mask, sel_scale, out, lse,
             swa_out if sliding else out, swa_lse if sliding else lse,
-            gates, compressed_out, merged if gated else lse,
+            gates, compressed_out, merged if gated else lse, document_start if window_tiles else None,
             *_strides(q), *gate_strides,
             n, start, start_ptr, problem.num_keys, hq, problem.selection_heads, window_tiles, problem.scale,
             **problem.constexprs,
@@ -1184,6 +1190,7 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
             GATED=gated and positions == 0,
             DOT_PRECISION=dot_precision(q.dtype),
             Q_START_IN_MEMORY=in_memory,
+            HAS_DOCS=document_start is not None and window_tiles > 0,
             num_warps=num_warps,
             num_stages=num_stages,
         )
@@ -1264,9 +1271,10 @@ def _key_major_forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, ta
     return out_acc.to(q.dtype), lse
 
 
-def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries | None = None):
+def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries | None = None,
+              document_start: torch.Tensor | None = None, document_end: torch.Tensor | None = None):
     """``table``: the selection's inversion for dK / dV, computed here (beside the dQ
-    passes) where None."""
+    passes) where None. ``document_start``, ``document_end``: see ``_launch_forward``."""
     q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse = saved
     assert problem.q_offset == 0 and problem.num_keys == problem.seq_len, "the backward takes queries at every key"
     b, hq, hk, n, d = problem.batch, problem.query_heads, problem.kv_heads, problem.seq_len, problem.head_dim
@@ -1290,13 +1298,15 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
     def window_dq(dq_window: torch.Tensor) -> None:
         launch(window_dq_kernel, (problem.num_window_tiles(for_dq=True), hs, b),
             q, *key_tiles(problem.window_tile(for_dq=True)[1]), swa_out, d_swa_out, swa_lse,
-            swa_delta, dq_window, lse if dq_acc is None else dq_acc, *_strides(q), *_strides(d_swa_out),
+            swa_delta, dq_window, lse if dq_acc is None else dq_acc, document_start,
+            *_strides(q), *_strides(d_swa_out),
             n, hq, problem.scale,
             SEL_SHARED_HEADS=hq // hs, GQA_SHARED_HEADS=hq // hk,
             **problem.window_constexprs(for_dq=True),
             D=d, D_PAD=_padded_head_dim(d), CAUSAL=problem.causal,
             ADD_ACC=atomic_dq,
             DOT_PRECISION=precision,
+            HAS_DOCS=document_start is not None,
             num_warps=config.window_dq_warps,
             num_stages=config.window_dq_stages,
         )
@@ -1354,7 +1364,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
         dv = _empty((b, hk, n, d), v.dtype, v.device)
         grid = (cdiv(n, config.window_block_n), hk, b)
         launch(window_dkv_kernel, grid,
-            q, k, v, d_swa_out, swa_lse, swa_delta, dk_acc, dv_acc, dk, dv,
+            q, k, v, d_swa_out, swa_lse, swa_delta, dk_acc, dv_acc, dk, dv, document_end,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_swa_out),
             n, hq, hk, problem.scale,
             GQA_SHARED_HEADS=hq // hk,
@@ -1367,6 +1377,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
             WINDOW=problem.window,
             QUERY_STEPS=problem.window_dkv_steps,
             DOT_PRECISION=precision,
+            HAS_DOCS=document_end is not None,
             num_warps=config.window_warps,
             num_stages=config.window_stages,
         )
@@ -1411,8 +1422,22 @@ def _invert(problem: _Problem, indices: torch.Tensor, fmask: torch.Tensor,
     return key_block_entries(problem, sel_idx, sel_mask, element_size)
 
 
+def _check_documents(problem: _Problem, document_start: torch.Tensor | None,
+                     document_end: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(document_start, document_end) where the window reads them, (None, None) where there
+    is no window to mask; asserts what the kernels assume of them (``_launch_forward``)."""
+    if document_start is None and document_end is None:
+        return None, None
+    assert problem.causal and problem.q_offset == 0 and problem.num_keys == problem.seq_len, \
+        "documents need a causal operator with queries at every key"
+    for t in (document_start, document_end):
+        assert (t is not None and t.dtype == torch.int32 and t.is_contiguous()
+                and tuple(t.shape) == (problem.batch, problem.seq_len)), "documents: two [b, n] int32 tensors"
+    return (document_start, document_end) if problem.window is not None else (None, None)
+
+
 def _fake_forward(q, k, v, indices, fmask, sel_scale, block_size, causal, window, scale, q_offset=0,
-                  gates=None, compressed_out=None, invert=False):
+                  gates=None, compressed_out=None, invert=False, document_start=None, document_end=None):
     b, hq, n, d = q.shape
     problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale, q_offset)
     lse = q.new_empty((b, hq, n), dtype=torch.float32)
@@ -1431,7 +1456,7 @@ def _launch_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, fmask: torch.Tensor,
     sel_scale: torch.Tensor | None, block_size: int, causal: bool, window: int | None, scale: float,
     q_offset: int = 0, gates: torch.Tensor | None = None, compressed_out: torch.Tensor | None = None,
-    invert: bool = False,
+    invert: bool = False, document_start: torch.Tensor | None = None, document_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """-> (out, lse, swa_out, swa_lse, merged, table); swa_out and swa_lse are empty when
     window is None. With ``gates`` [3, b, hq, n] and the compressed branch's
@@ -1439,7 +1464,10 @@ def _launch_forward(
     [b, n, hq * d] where the launch can fold it in (``_folds_gates``), empty otherwise.
     ``invert``: ``table`` is the selection's inversion for the backward's dK / dV pass
     (``KeyBlockEntries.tensors()``, or none without key sets), computed beside the
-    forward's launches; empty otherwise.
+    forward's launches; empty otherwise. ``document_start``, ``document_end``: packed
+    documents, [b, n] int32 contiguous (``documents.document_bounds``), both or neither,
+    only causal with q_offset 0: the window keeps to each query's document, the selection
+    is left as it is (``_check_documents``). The backward takes them too.
 
     Queued beside the backward's dQ pass, the inversion waited for SMs: its sort's memset
     nodes wait for the pass's grid to drain, also from a stream of higher priority, so
@@ -1451,15 +1479,17 @@ def _launch_forward(
     most of what the sort left idle went to the kernels beside the dK / dV pass.
     """
     problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale, q_offset)
+    document_start, _ = _check_documents(problem, document_start, document_end)
 
     if problem.key_major_forward:
         table = _invert(problem, indices, fmask, q.element_size())
         outputs = _forward(problem, q, k, v, indices, fmask, sel_scale, gates=gates, compressed_out=compressed_out,
-                           table=table)
+                           table=table, document_start=document_start)
         return *outputs, (table.tensors() if invert else [])
 
     def forward():
-        return _forward(problem, q, k, v, indices, fmask, sel_scale, gates=gates, compressed_out=compressed_out)
+        return _forward(problem, q, k, v, indices, fmask, sel_scale, gates=gates, compressed_out=compressed_out,
+                        document_start=document_start)
 
     if not invert:
         return *forward(), []
@@ -1469,7 +1499,7 @@ def _launch_forward(
 
 
 def _fake_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse, d_out, d_swa_out,
-                   block_size, causal, window, scale, table):
+                   block_size, causal, window, scale, table, document_start=None, document_end=None):
     dsel = q.new_empty(0) if sel_scale is None else sel_scale.new_empty(indices.shape)
     delta = lse.new_empty(lse.shape)
     swa_delta = lse.new_empty(lse.shape if window is not None and d_swa_out is not None else (0,))
@@ -1482,35 +1512,41 @@ def _launch_backward(
     sel_scale: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, swa_out: torch.Tensor,
     swa_lse: torch.Tensor, d_out: torch.Tensor | None, d_swa_out: torch.Tensor | None,
     block_size: int, causal: bool, window: int | None, scale: float, table: list[torch.Tensor],
+    document_start: torch.Tensor | None = None, document_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv, dsel_scale, delta, swa_delta); dsel_scale is empty when sel_scale is
     None, swa_delta without the window's gradient. delta, swa_delta: [b, hq, n] float32,
     the softmax-backward corrections rowsum(d_out * out) and rowsum(d_swa_out * swa_out).
-    ``table``: the forward's inversion (``_launch_forward(..., invert=True)``), or none."""
+    ``table``: the forward's inversion (``_launch_forward(..., invert=True)``), or none.
+    ``document_start``, ``document_end``: those of the forward."""
     problem = _problem(q, k, indices, sel_scale is not None, block_size, causal, window, scale)
+    documents = _check_documents(problem, document_start, document_end)
     saved = (q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse)
     inverted = KeyBlockEntries.from_tensors(table, problem.num_key_blocks) if table else None
-    return _backward(problem, saved, d_out, d_swa_out, inverted)
+    return _backward(problem, saved, d_out, d_swa_out, inverted, *documents)
 
 
 class _SelectionAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sel_scale, indices, fmask, block_size, causal, window, scale, q_offset, invert):
+    def forward(ctx, q, k, v, sel_scale, indices, fmask, block_size, causal, window, scale, q_offset, invert,
+                document_start, document_end):
         options = (block_size, causal, window, scale)
         out, lse, swa_out, swa_lse, _, table = _launch_forward(
-            q, k, v, indices, fmask, sel_scale, *options, q_offset, invert=invert
+            q, k, v, indices, fmask, sel_scale, *options, q_offset, invert=invert, document_start=document_start,
+            document_end=document_end,
         )
         ctx.options = options
-        ctx.save_for_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse, *table)
+        ctx.save_for_backward(q, k, v, indices, fmask, sel_scale, out, lse, swa_out, swa_lse, document_start,
+                              document_end, *table)
         ctx.mark_non_differentiable(lse)
         return out, (swa_out if window is not None else None), lse
 
     @staticmethod
     def backward(ctx, d_out, d_swa_out, _d_lse):
-        saved, table = ctx.saved_tensors[:10], list(ctx.saved_tensors[10:])
-        dq, dk, dv, dsel, _, _ = _launch_backward(*saved, d_out, d_swa_out, *ctx.options, table)
+        saved, documents, table = ctx.saved_tensors[:10], ctx.saved_tensors[10:12], list(ctx.saved_tensors[12:])
+        dq, dk, dv, dsel, _, _ = _launch_backward(*saved, d_out, d_swa_out, *ctx.options, table, *documents)
         has_sel_scale = saved[5] is not None
-        return dq, dk, dv, (dsel if has_sel_scale else None), None, None, None, None, None, None, None, None
+        return dq, dk, dv, (dsel if has_sel_scale else None), *(None,) * 10
 
 
 def selection_attention(
@@ -1525,10 +1561,14 @@ def selection_attention(
     sliding_window_size: int | None,
     scale: float,
     q_offset: int = 0,
+    document_start: torch.Tensor | None = None,
+    document_end: torch.Tensor | None = None,
 ):
     """Selected attention (and, when ``sliding_window_size`` is given, sliding-window
     attention) on the Triton kernels; differentiable in q, k, v and sel_scale when the
     queries are at the keys' positions (``q_offset = 0``, m = n).
+    ``document_start``, ``document_end``: packed documents (``_launch_forward``); they mask
+    the sliding window only.
 
     Expects inputs already validated by ``native_sparse_attend``.
     q: [b, hq, m, d] at positions ``q_offset .. q_offset + m - 1``, k, v: [b, hk, n, d];
@@ -1539,7 +1579,7 @@ def selection_attention(
     invert = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sel_scale))
     return _SelectionAttention.apply(
         q, k, v, sel_scale, selected_block_indices, fmask, block_size, include_block_causal,
-        sliding_window_size, scale, q_offset, invert,
+        sliding_window_size, scale, q_offset, invert, document_start, document_end,
     )
 
 

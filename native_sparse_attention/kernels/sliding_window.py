@@ -8,6 +8,9 @@ WINDOW: the window w; query i sees keys j with 0 <= i - j <= w when CAUSAL, |i -
 HEADS_PAD: SEL_SHARED_HEADS rounded up to a power of two
 WINDOW_ROWS: rows of a window tile, WINDOW_QUERIES (= WINDOW_ROWS // HEADS_PAD) positions of
     HEADS_PAD heads each; WINDOW_N: keys per window key tile
+HAS_DOCS: packed documents (causal, queries at every key only): query i also needs
+    j >= DOC_START[z, i], which with j <= i is i < DOC_END[z, j] (DOC_START, DOC_END:
+    [Z, N] int32, the first position of a token's document and one past its last)
 
 Work decomposition
 ------------------
@@ -121,6 +124,35 @@ def _in_window(i, pos, WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _visible(i, pos, hi, doc_start, WINDOW: tl.constexpr, CAUSAL: tl.constexpr):
+    """[len(i), len(pos)]: key ``pos`` (below hi) lies in query ``i``'s window, and in its
+    document where ``doc_start`` (the rows' DOC_START) is not None."""
+    visible = _in_window(i, pos, WINDOW, CAUSAL) & (pos < hi)[None, :]
+    if doc_start is not None:
+        visible &= pos[None, :] >= doc_start[:, None]
+    return visible
+
+
+@triton.jit
+def _document_starts(DOC_START, z, r, row_ok, N):
+    """(DOC_START of query rows ``r`` of batch z, the smallest of them over the rows that
+    exist); a row that does not exist reads 0."""
+    doc_start = tl.load(DOC_START + z.to(tl.int64) * N + r, mask=row_ok, other=0)
+    return doc_start, tl.min(tl.where(row_ok, doc_start, N), 0)
+
+
+@triton.jit
+def _document_key_tiles(first, full_lo, full_hi, hi, doc_lo, doc_hi, WINDOW_N: tl.constexpr):
+    """``_window_key_tiles``' (first, full_lo, full_hi) for rows whose documents start
+    between doc_lo and doc_hi: no row sees a key tile below doc_lo's, and a tile can skip
+    the mask only once every row's document has started, from doc_hi on (so the tiles
+    from full_hi on need the window's mask alone)."""
+    first = tl.maximum(first, doc_lo // WINDOW_N * WINDOW_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, tl.cdiv(doc_hi, WINDOW_N) * WINDOW_N), hi)
+    return first, full_lo, tl.maximum(full_hi, full_lo)
+
+
+@triton.jit
 def _key_tiles(K_TILES, V_TILES, z, kv_head, start, WINDOW_N: tl.constexpr, D_PAD: tl.constexpr):
     """The window's keys and values ``start .. start + WINDOW_N`` of kv head ``[z, kv_head]``
     through TMA descriptors of [Z, HKV, N, D] (zeros past N or D)."""
@@ -130,15 +162,14 @@ def _key_tiles(K_TILES, V_TILES, z, kv_head, start, WINDOW_N: tl.constexpr, D_PA
 
 
 @triton.jit
-def _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, scale2, WINDOW: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW_N: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr):
+def _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, doc_start, scale2,
+                  WINDOW: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_N: tl.constexpr, D_PAD: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """``softmax_tile`` of the window tile's rows ``i`` over the key tile at ``start``,
-    masked to the rows' windows and to keys below hi where MASKED."""
+    masked (``_visible``) where MASKED."""
     k, v = _key_tiles(K_TILES, V_TILES, z, kv_head, start, WINDOW_N, D_PAD)
     if MASKED:
-        pos = start + tl.arange(0, WINDOW_N)
-        visible = _in_window(i, pos, WINDOW, CAUSAL) & (pos < hi)[None, :]
+        visible = _visible(i, start + tl.arange(0, WINDOW_N), hi, doc_start, WINDOW, CAUSAL)
         m_i, l_i, acc = softmax_tile(q, k, v, visible, scale2, m_i, l_i, acc, DOT_PRECISION)
     else:
         m_i, l_i, acc = softmax_tile(q, k, v, None, scale2, m_i, l_i, acc, DOT_PRECISION)
@@ -150,14 +181,15 @@ def window_forward(
     Q, K_TILES, V_TILES, SWA_O, SWA_LSE, tile, z, kv_head, first_head,
     stride_qz, stride_qh, stride_qn, stride_qd,
     M, Q_START, N, HQ, scale2,
-    GATES, OUT_C, OUT_S, MERGED, stride_gk, stride_gz, stride_gh, stride_gn,
+    GATES, OUT_C, OUT_S, MERGED, stride_gk, stride_gz, stride_gh, stride_gn, DOC_START,
     SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):
     """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``; with
     GATED also the layer's gated sum of those rows (``_store_gated_sum``). K_TILES,
-    V_TILES: TMA descriptors of [WINDOW_N, D_PAD] tiles of the keys and values."""
+    V_TILES: TMA descriptors of [WINDOW_N, D_PAD] tiles of the keys and values. HAS_DOCS
+    (Q_START = 0): DOC_START [Z, M]."""
     r, heads, row_ok = _window_rows(tile, first_head, M, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
     i = Q_START + r
     offs_d = tl.arange(0, D_PAD)
@@ -169,15 +201,21 @@ def window_forward(
     acc = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
     first, full_lo, full_hi, hi = _window_key_tiles(tile, M, Q_START, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD,
                                                      WINDOW_N)
+    doc_start = None
+    if HAS_DOCS:
+        doc_start, doc_lo = _document_starts(DOC_START, z, r, row_ok, M)
+        first, full_lo, full_hi = _document_key_tiles(first, full_lo, full_hi, hi, doc_lo, tl.max(doc_start, 0),
+                                                      WINDOW_N)
     for start in range(first, full_lo, WINDOW_N):
-        m_i, l_i, acc = _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, scale2,
-                                      WINDOW, CAUSAL, WINDOW_N, D_PAD, DOT_PRECISION, True)
+        m_i, l_i, acc = _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, doc_start,
+                                      scale2, WINDOW, CAUSAL, WINDOW_N, D_PAD, DOT_PRECISION, True)
+    # From full_lo on every key lies in each row's document (``_document_key_tiles``).
     for start in range(full_lo, full_hi, WINDOW_N):
-        m_i, l_i, acc = _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, scale2,
-                                      WINDOW, CAUSAL, WINDOW_N, D_PAD, DOT_PRECISION, False)
+        m_i, l_i, acc = _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, None,
+                                      scale2, WINDOW, CAUSAL, WINDOW_N, D_PAD, DOT_PRECISION, False)
     for start in range(full_hi, hi, WINDOW_N):
-        m_i, l_i, acc = _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, scale2,
-                                      WINDOW, CAUSAL, WINDOW_N, D_PAD, DOT_PRECISION, True)
+        m_i, l_i, acc = _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, None,
+                                      scale2, WINDOW, CAUSAL, WINDOW_N, D_PAD, DOT_PRECISION, True)
     out_rows = dense_rows(z, heads, r, HQ, M, D)
     lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
     out = store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
@@ -212,18 +250,19 @@ def _store_gated_sum(
 
 @triton.jit
 def window_dq_kernel(
-    Q, K_TILES, V_TILES, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, DQ_WINDOW, DQ_ACC,
+    Q, K_TILES, V_TILES, SWA_O, SWA_DO, SWA_LSE, SWA_DELTA, DQ_WINDOW, DQ_ACC, DOC_START,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_sdoz, stride_sdoh, stride_sdon, stride_sdod,
     N, HQ, sm_scale,
     SEL_SHARED_HEADS: tl.constexpr, GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ADD_ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
     """The window's dQ (into DQ_WINDOW, in its dtype) and delta of window tile
     ``program_id(0)``; K_TILES, V_TILES as in ``window_forward``. ADD_ACC: DQ_WINDOW gets
     the sum of that dQ and the dQ the selection left, without sm_scale, in DQ_ACC
-    ([Z, HQ, N, D] float32)."""
+    ([Z, HQ, N, D] float32). HAS_DOCS: DOC_START [Z, N]."""
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     tile = tl.program_id(0)
     i, heads, row_ok = _window_rows(tile, first_head, N, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
@@ -237,10 +276,14 @@ def window_dq_kernel(
 
     dq = tl.zeros([WINDOW_ROWS, D_PAD], tl.float32)
     first, hi = _window_keys(tile, N, 0, N, WINDOW, CAUSAL, WINDOW_ROWS // HEADS_PAD, WINDOW_N)
+    doc_start = None
+    if HAS_DOCS:
+        doc_start, doc_lo = _document_starts(DOC_START, z, i, row_ok, N)
+        first = tl.maximum(first, doc_lo // WINDOW_N * WINDOW_N)
     for start in range(first, hi, WINDOW_N):
         pos = start + offs_n
         k, v = _key_tiles(K_TILES, V_TILES, z, kv_head, start, WINDOW_N, D_PAD)
-        visible = _in_window(i, pos, WINDOW, CAUSAL) & (pos < hi)[None, :]
+        visible = _visible(i, pos, hi, doc_start, WINDOW, CAUSAL)
         dq, _ = dq_tile(q, do, lse2, delta, k, v, visible, sm_scale * LOG2E, 1.0, dq, DOT_PRECISION)
     if ADD_ACC:
         dq += load_tile(DQ_ACC, out_rows, row_ok, offs_d, d_ok, 1)
@@ -250,8 +293,19 @@ def window_dq_kernel(
 
 
 @triton.jit
+def _document_query_steps(DOC_END, z, pos, key_ok, N, q_lo, q_hi, first_step, POSITIONS: tl.constexpr):
+    """(DOC_END of keys ``pos``, q_hi, steps, first step) of ``window_dkv_kernel`` where the
+    keys' documents end before q_hi: the steps past the last document's end see none of
+    the keys and are left out. The walk keeps its wrap-around order minus those steps."""
+    doc_end = tl.load(DOC_END + z.to(tl.int64) * N + pos, mask=key_ok, other=0)
+    q_hi = tl.minimum(q_hi, tl.max(doc_end, 0))
+    steps = tl.cdiv(q_hi - q_lo, POSITIONS)
+    return doc_end, q_hi, steps, tl.where(first_step < steps, first_step, 0)
+
+
+@triton.jit
 def window_dkv_kernel(
-    Q, K, V, SWA_DO, SWA_LSE, SWA_DELTA, DK_ACC, DV_ACC, DK, DV,
+    Q, K, V, SWA_DO, SWA_LSE, SWA_DELTA, DK_ACC, DV_ACC, DK, DV, DOC_END,
     stride_qz, stride_qh, stride_qn, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -259,11 +313,12 @@ def window_dkv_kernel(
     N, HQ, HKV, sm_scale,
     GQA_SHARED_HEADS: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr, QUERY_STEPS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, QUERY_STEPS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):
     """dK, dV of the sliding window for BLOCK_N keys of one kv head, plus the selection's
     float32 accumulators, written in the input dtype. A step takes BLOCK_M query rows:
-    BLOCK_M // GQA_PAD consecutive positions of all the kv head's query heads."""
+    BLOCK_M // GQA_PAD consecutive positions of all the kv head's query heads. HAS_DOCS:
+    DOC_END [Z, N]."""
     POSITIONS: tl.constexpr = BLOCK_M // GQA_PAD
     key_start = tl.program_id(0) * BLOCK_N
     kv_head = tl.program_id(1)
@@ -289,10 +344,18 @@ def window_dkv_kernel(
     # programs of neighbouring key tiles then read each query row together, while L2 holds it.
     span: tl.constexpr = QUERY_STEPS * POSITIONS
     first_step = (span - q_lo % span) % span // POSITIONS
+    steps = QUERY_STEPS
+    if HAS_DOCS:
+        doc_end, q_hi, steps, first_step = _document_query_steps(DOC_END, z, pos, key_ok, N, q_lo, q_hi,
+                                                                 first_step, POSITIONS)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    for t in range(0, QUERY_STEPS):
-        step = (t + first_step) % QUERY_STEPS
+    for t in range(0, steps):
+        if HAS_DOCS:
+            step = t + first_step
+            step = tl.where(step >= steps, step - steps, step)
+        else:
+            step = (t + first_step) % QUERY_STEPS
         q_pos = q_lo + step * POSITIONS + rows // GQA_PAD
         q_ok = head_ok & (q_pos < q_hi)
         q_rows = strided_rows(z, head, q_pos, stride_qz, stride_qh, stride_qn)
@@ -303,6 +366,8 @@ def window_dkv_kernel(
         lse2 = load_lse2(SWA_LSE, lse_rows, q_ok)
         delta = tl.load(SWA_DELTA + lse_rows, mask=q_ok, other=0.0)
         visible = _in_band(q_pos[None, :] - pos[:, None], WINDOW, CAUSAL) & key_ok[:, None] & q_ok[None, :]
+        if HAS_DOCS:
+            visible &= q_pos[None, :] < doc_end[:, None]
         dk, dv = dkv_tile(k, v, q, do, lse2, delta, visible, scale2, 1.0, dk, dv, DOT_PRECISION)
     acc_rows = dense_rows(z, kv_head, pos, HKV, N, D)
     dk = dk * sm_scale + load_tile(DK_ACC, acc_rows, key_ok, offs_d, d_ok, 1)
