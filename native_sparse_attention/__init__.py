@@ -8,6 +8,7 @@ from native_sparse_attention.compress import (
     GroupedCompressMLP,
     TransformerCompress,
 )
+from native_sparse_attention.documents import pack_documents
 from native_sparse_attention.full_attention import FullAttention
 from native_sparse_attention.sparse_attention import SparseAttention, SparseAttentionCache
 from native_sparse_attention.static_cache import StaticSparseAttentionCache
@@ -25,4 +26,5 @@ __all__ = [
     "Transformer",
     "TransformerCompress",
     "native_sparse_attend",
+    "pack_documents",
 ]

@@ -36,7 +36,7 @@ import torch
 from packaging.version import Version
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["flex_selected_and_sliding"]
+__all__ = ["flex_document_causal_attention", "flex_selected_and_sliding"]
 
 # Gradients of tensors captured by a score_mod arrived in torch 2.6 (pytorch/pytorch#137452).
 _CAPTURED_GRADS = Version(torch.__version__.split("+")[0]) >= Version("2.6")
@@ -172,14 +172,20 @@ def _selected_score_mod(
 
 
 def _sliding_block_mask(
-    n: int, window: int, causal: bool, tile_size: tuple[int, int], device: torch.device
+    n: int, window: int, causal: bool, tile_size: tuple[int, int], device: torch.device,
+    document_start: torch.Tensor | None = None,
 ) -> BlockMask:
-    """Sliding window ``0 <= i - j <= window`` (causal) or ``|i - j| <= window`` as a BlockMask ``[1, 1, n, n]``."""
+    """Sliding window ``0 <= i - j <= window`` (causal) or ``|i - j| <= window`` as a BlockMask
+    ``[1, 1, n, n]``; with ``document_start: [b, n]`` (int32, causal) only keys
+    ``j >= document_start[b, i]``, which a tile's own mask checks: no tile is full then."""
     lowest = 0 if causal else -window
 
     def mask_mod(b, h, q_idx, kv_idx):
         distance = q_idx - kv_idx
-        return (distance >= lowest) & (distance <= window)
+        in_window = (distance >= lowest) & (distance <= window)
+        if document_start is None:
+            return in_window
+        return in_window & (kv_idx >= document_start[b, q_idx])
 
     q_tile, kv_tile = tile_size
     q_start = torch.arange(0, n, q_tile, device=device)
@@ -190,7 +196,7 @@ def _sliding_block_mask(
     d_min = q_start[:, None] - kv_end[None, :]
     d_max = q_end[:, None] - kv_start[None, :]
     touched = (d_max >= lowest) & (d_min <= window)
-    full = (d_min >= lowest) & (d_max <= window)
+    full = (d_min >= lowest) & (d_max <= window) & (document_start is None)
     return _tiles_to_block_mask((touched & ~full)[None, None], full[None, None], tile_size, n, mask_mod)
 
 
@@ -206,6 +212,7 @@ def flex_selected_and_sliding(
     sel_scale: torch.Tensor | None = None,
     *,
     tile_size: tuple[int, int] = (128, 128),
+    document_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NSA's selected-block and sliding-window branches through FlexAttention.
 
@@ -227,7 +234,8 @@ def flex_selected_and_sliding(
 
     The sliding branch matches ``reference.sliding_window_attend``: keys ``j`` with
     ``0 <= i - j <= sliding_window_size`` when ``causal``, else ``|i - j| <=
-    sliding_window_size``.
+    sliding_window_size``; with ``document_start`` (``[b, n]`` int32, causal only: the
+    first token of each query's document) only the keys ``j >= document_start[i]``.
 
     ``sel_scale`` is differentiable (torch >= 2.6). Each score evaluates ``sel`` slot
     comparisons in the mask_mod and, with ``sel_scale``, as many in the score_mod.
@@ -267,6 +275,37 @@ def flex_selected_and_sliding(
     selected_out = _attend(rq, rk, v, score_mod=score_mod, block_mask=selected_mask,
                            kernel_options=_SCORE_MOD_KERNEL_OPTIONS if score_mod is not None else None)
 
-    sliding_mask = _sliding_block_mask(n, sliding_window_size, causal, tile_size, rq.device)
+    sliding_mask = _sliding_block_mask(n, sliding_window_size, causal, tile_size, rq.device, document_start)
     sliding_out = _attend(rq, rk, v, block_mask=sliding_mask)
     return selected_out, sliding_out
+
+
+def _document_block_mask(document_start: torch.Tensor, tile_size: tuple[int, int]) -> BlockMask:
+    """Causal attention within documents as a BlockMask ``[b, 1, n, n]``: query ``i`` sees
+    the keys ``document_start[i] <= j <= i``. document_start: [b, n] (int32), non-decreasing
+    along n, so a tile's rows see from their first row's start on, at least."""
+    b, n = document_start.shape
+    q_tile, kv_tile = tile_size
+    device = document_start.device
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx >= document_start[b, q_idx])
+
+    q_start = torch.arange(0, n, q_tile, device=device)
+    q_end = (q_start + q_tile).clamp(max=n) - 1
+    kv_start = torch.arange(0, n, kv_tile, device=device)
+    kv_end = (kv_start + kv_tile).clamp(max=n) - 1
+    lowest_start = document_start[:, q_start, None]
+    highest_start = document_start[:, q_end, None]
+    touched = (kv_start[None, None, :] <= q_end[None, :, None]) & (kv_end[None, None, :] >= lowest_start)
+    full = (kv_end[None, None, :] <= q_start[None, :, None]) & (kv_start[None, None, :] >= highest_start)
+    return _tiles_to_block_mask((touched & ~full)[:, None], full[:, None], tile_size, n, mask_mod)
+
+
+def flex_document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_start: torch.Tensor,
+                                   tile_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Causal attention within packed documents: q: [b, hq, n, d], k, v: [b, hk, n, d],
+    document_start: [b, n] int32 (``documents.document_bounds``) -> [b, hq, n, d]. Tiles
+    before a query tile's documents are skipped, so packed short documents cost what they
+    would alone."""
+    return _attend(q, k, v, block_mask=_document_block_mask(document_start, tile_size))

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from native_sparse_attention.compress import plain_linear
+from native_sparse_attention.documents import checked_document_bounds
 from native_sparse_attention.layer_input import check_layer_input
 from native_sparse_attention.rotary import RotaryEmbedding
 
@@ -47,10 +48,15 @@ class FullAttention(nn.Module):
         self.rotary = RotaryEmbedding(dim_head)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: FullAttentionCache | None = None, return_cache: bool = False):
+    def forward(self, x: torch.Tensor, cache: FullAttentionCache | None = None, return_cache: bool = False,
+                document_ids: torch.Tensor | None = None):
         """x: [b, n, dim] -> [b, n, dim] (and the cache when ``return_cache``); with a cache,
-        x holds the next tokens."""
+        x holds the next tokens. ``document_ids: [b, n]`` (integer) packs documents: a run
+        of equal ids is one document, attended causally and alone (causal layers, without a
+        cache; on CUDA through FlexAttention, elsewhere through a dense mask)."""
         check_layer_input(x, self.dim, self.to_qkv.weight)
+        if document_ids is not None:
+            return self._attend_documents(x, document_ids, cache is not None or return_cache)
         offset = 0 if cache is None else cache.seq_len
         normed = self._normed(x)
         # Only the rotated queries and keys are attended.
@@ -72,6 +78,24 @@ class FullAttention(nn.Module):
         )
         out = self.to_out(rearrange(out, "b h n d -> b n (h d)"))
         return (out, FullAttentionCache(k, v)) if return_cache else out
+
+    def _attend_documents(self, x: torch.Tensor, document_ids: torch.Tensor, cached: bool) -> torch.Tensor:
+        if cached:
+            raise ValueError("document_ids packs documents for training: it cannot be combined with a cache")
+        if not self.causal:
+            raise ValueError("document_ids needs a causal layer (causal=True)")
+        document_start, _ = checked_document_bounds(document_ids, x)
+        _, _, v, q, k, _ = self.rotary.split_heads(self._project(self._normed(x)), self.heads, self.kv_heads, 0)
+        if x.is_cuda:
+            from native_sparse_attention.flex import flex_document_causal_attention
+
+            out = flex_document_causal_attention(q, k, v, document_start)
+        else:
+            positions = torch.arange(x.shape[1], device=x.device)
+            visible = (positions[None, :] <= positions[:, None]) & (positions >= document_start[:, :, None])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None],
+                                                 enable_gqa=self.heads != self.kv_heads)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
     def _project(self, normed: torch.Tensor) -> torch.Tensor:
         """The q / k / v projection, on CUDA as the sparse layer projects (its weight cast

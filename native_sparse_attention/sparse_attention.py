@@ -30,6 +30,7 @@ from einops.layers.torch import Rearrange
 from torch import nn
 
 from native_sparse_attention.compress import CompressMLP, has_hooks, plain_linear, sliding_windows
+from native_sparse_attention.documents import checked_document_bounds
 from native_sparse_attention.layer_input import check_layer_input
 from native_sparse_attention.reference import (
     compressed_attend,
@@ -267,8 +268,16 @@ class SparseAttention(nn.Module):
         x: torch.Tensor,
         cache: SparseAttentionCache | None = None,
         return_cache: bool = False,
+        document_ids: torch.Tensor | None = None,
     ):
         """x: [b, n, dim] -> [b, n, dim], or ``(out, cache)`` when ``return_cache``.
+
+        ``document_ids: [b, n]`` (integer) packs several documents in a row: a run of equal
+        ids is one document, and no branch attends across documents. Each document must
+        start at a multiple of ``selection_block_size`` (``pack_documents`` pads them so),
+        which is checked by reading the ids back to the host once per ids tensor (the layers
+        of a model share the check), except while compiling or capturing a CUDA graph.
+        Causal layers, without a cache.
 
         With a ``cache`` from an earlier call, ``x`` holds the tokens that follow it: one
         per decoding step, or any number (the next chunk of a long prompt, draft tokens to
@@ -277,6 +286,7 @@ class SparseAttention(nn.Module):
         the cache in place, and it can be captured in a CUDA graph.
         """
         check_layer_input(x, self.dim, self.to_qkv.weight)
+        documents = self._documents(x, document_ids, cache is not None or return_cache)
         if isinstance(cache, StaticSparseAttentionCache):
             out = static_step(self, x, cache)
             return (out, cache) if return_cache else out
@@ -291,20 +301,33 @@ class SparseAttention(nn.Module):
         ck, cv = self._compress(k, v)
 
         if fast and self.use_triton_kernel and not self.use_diff_topk:
-            out = self._kernel_gated_branches(gates, q, ck, cv, rq, rk, v)
+            out = self._kernel_gated_branches(gates, q, ck, cv, rq, rk, v, documents)
         else:
             if fast:
-                compressed_out, selection = self._kernel_compressed_branch(q, ck, cv)
+                compressed_out, selection = self._kernel_compressed_branch(q, ck, cv, documents=documents)
                 branches = self._kernel_branches if self.use_triton_kernel else self._flex_branches
-                selected_out, sliding_out = branches(rq, rk, v, selection)
+                selected_out, sliding_out = branches(rq, rk, v, selection, documents=documents)
             else:
-                compressed_out, selection = self._compressed_branch(q, ck, cv, q_offset=0)
+                document_start = None if documents is None else documents[0]
+                compressed_out, selection = self._compressed_branch(q, ck, cv, 0, document_start)
                 selected_out = self._selected_branch(rq, rk, v, selection, q_offset=0)
-                sliding_out, _ = sliding_window_attend(rq, rk, v, self.sliding_window_size, self.causal)
+                sliding_out, _ = sliding_window_attend(rq, rk, v, self.sliding_window_size, self.causal,
+                                                       document_start=document_start)
             out = self._combine(gates, compressed_out, selected_out, sliding_out, fused=fast)
         if not return_cache:
             return out
         return out, self._prefill_cache(rk, v, k, ck, cv)
+
+    def _documents(self, x: torch.Tensor, document_ids, cached: bool):
+        """(document_start, document_end): [b, n] int32 each, from ``document_ids``
+        (``documents.document_bounds``), or None without documents."""
+        if document_ids is None:
+            return None
+        if cached:
+            raise ValueError("document_ids packs documents for training: it cannot be combined with a cache")
+        if not self.causal:
+            raise ValueError("document_ids needs a causal layer (causal=True)")
+        return checked_document_bounds(document_ids, x, self.selection_block_size)
 
     def _use_fast_path(self, x: torch.Tensor) -> bool:
         return (self.use_triton_kernel or self.use_flex_attention) and x.is_cuda
@@ -393,16 +416,19 @@ class SparseAttention(nn.Module):
         mem_k, mem_v = (m.to(ck.dtype).expand(ck.shape[0], -1, -1, -1) for m in self.mem_kv)
         return torch.cat((mem_k, ck), dim=2), torch.cat((mem_v, cv), dim=2)
 
-    def _compressed_branch(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_offset: int):
+    def _compressed_branch(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_offset: int,
+                           document_start: torch.Tensor | None = None):
         """PyTorch path of the compressed branch and the block selection.
 
-        q: [b, hq, m, d] at positions ``q_offset..``; ck, cv: [b, hk, nc, d].
+        q: [b, hq, m, d] at positions ``q_offset..``; ck, cv: [b, hk, nc, d]; document_start:
+        [b, m], the first token of each query's document (``q_offset`` 0).
         Returns (out [b, hq, m, d], BlockSelection).
         """
         ck_all, cv_all = self._with_memory(ck, cv)
         out, _, probs = compressed_attend(
             q, ck_all, cv_all, self.compress_block_size, self.compress_stride,
             num_mem=self.num_mem, causal=self.causal, q_offset=q_offset, return_probs=True,
+            document_start=document_start,
         )
         num_keys = q_offset + q.shape[2]
         num_blocks = num_selection_blocks(num_keys, self.selection_block_size)
@@ -415,7 +441,7 @@ class SparseAttention(nn.Module):
         )
         selectable = selectable_blocks(
             q.shape[2], q_offset, ck.shape[2], self.compress_block_size, self.compress_stride,
-            self.selection_block_size, num_blocks, self.causal, q.device,
+            self.selection_block_size, num_blocks, self.causal, q.device, document_start,
         )
         selection = select_blocks(scores, selectable, self.num_selected_blocks)
         if self.recorder is not None:
@@ -435,47 +461,66 @@ class SparseAttention(nn.Module):
         )
         return out
 
-    def _kernel_compressed_branch(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_offset: int = 0):
+    def _kernel_compressed_branch(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, q_offset: int = 0,
+                                  documents: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Fast path of the compressed branch and the block selection (Triton kernels).
 
-        q: [b, hq, m, d] at positions ``q_offset ..``, ck, cv: [b, hk, nc, d]
+        q: [b, hq, m, d] at positions ``q_offset ..``, ck, cv: [b, hk, nc, d], documents:
+        ``(document_start, document_end)`` ([b, m] int32 each, ``q_offset`` 0) or None
         -> (out [b, hq, m, d], BlockSelection). The selection's scores are differentiable
         when ``use_diff_topk`` needs them (and ``q_offset`` is 0).
         """
         from native_sparse_attention.kernels.compressed import compressed_attend_and_select
 
         ck_all, cv_all = self._with_memory(ck, cv)
+        document_start, document_end = (None, None) if documents is None else documents
         out, _, selection = compressed_attend_and_select(
             q, ck_all, cv_all, self.compress_block_size, self.compress_stride, self.num_mem,
             self.selection_block_size, self.num_selected_blocks, causal=self.causal,
             share_selection=self.share_selection, scores_require_grad=self.use_diff_topk, q_offset=q_offset,
+            document_start=document_start, document_end=document_end,
         )
         if self.recorder is not None:
             self._record(selected_indices=selection.indices, selected_mask=selection.mask)
         return out, selection
 
-    def _kernel_branches(self, rq, rk, v, selection: BlockSelection, q_offset: int = 0):
+    def _kernel_branches(self, rq, rk, v, selection: BlockSelection, q_offset: int = 0,
+                         documents: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Selected and sliding branches from one launch of the Triton selection kernel:
         rq: [b, hq, m, d] at positions ``q_offset ..``, rk, v: [b, hk, q_offset + m, d]
-        (any strides) -> two [b, hq, m, d]."""
+        (any strides), documents as ``_kernel_compressed_branch``'s -> two [b, hq, m, d]."""
         from native_sparse_attention.attend import native_sparse_attend
 
-        return native_sparse_attend(
-            rq, rk, v, self.selection_block_size, selection.indices, selection.mask,
-            sel_scale=self._selection_scale(selection), include_block_causal=self.causal,
-            return_sliding_window_out=True, sliding_window_size=self.sliding_window_size, q_offset=q_offset,
-        )
+        if documents is None:
+            return native_sparse_attend(
+                rq, rk, v, self.selection_block_size, selection.indices, selection.mask,
+                sel_scale=self._selection_scale(selection), include_block_causal=self.causal,
+                return_sliding_window_out=True, sliding_window_size=self.sliding_window_size, q_offset=q_offset,
+            )
+        # The public op has no documents: its selections are the caller's, which could name
+        # blocks of other documents. The layer's own never do.
+        from native_sparse_attention.kernels.selection import selection_attention
 
-    def _flex_branches(self, rq, rk, v, selection: BlockSelection):
+        selected_out, sliding_out, _ = selection_attention(
+            rq, rk, v, self.selection_block_size, selection.indices, selection.mask, self._selection_scale(selection),
+            self.causal, self.sliding_window_size, self.dim_head**-0.5, q_offset,
+            document_start=documents[0], document_end=documents[1],
+        )
+        return selected_out, sliding_out
+
+    def _flex_branches(self, rq, rk, v, selection: BlockSelection,
+                       documents: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Selected and sliding branches through FlexAttention: rq: [b, hq, n, d], rk, v: [b, hk, n, d]."""
         from native_sparse_attention.flex import flex_selected_and_sliding
 
         return flex_selected_and_sliding(
             rq, rk, v, self.selection_block_size, selection.indices, selection.mask,
             self.sliding_window_size, causal=self.causal, sel_scale=self._selection_scale(selection),
+            document_start=None if documents is None else documents[0],
         )
 
-    def _kernel_gated_branches(self, gates, q, ck, cv, rq, rk, v) -> torch.Tensor:
+    def _kernel_gated_branches(self, gates, q, ck, cv, rq, rk, v,
+                               documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The Triton path when the selection scores need no gradient: the three branches
         and their gated sum as one autograd node, whose backward folds the gates into the
         branches' instead of writing a gated output gradient per branch
@@ -493,7 +538,7 @@ class SparseAttention(nn.Module):
         project = plain_linear(self.to_out) and self.to_out.bias is None
         out, selection = gated_branches(
             gates, q, ck_all, cv_all, rq, rk, v, compressed_options, selection_options,
-            out_weight=self.to_out.weight if project else None,
+            out_weight=self.to_out.weight if project else None, documents=documents,
         )
         if self.recorder is not None:
             self._record(selected_indices=selection.indices, selected_mask=selection.mask)

@@ -44,9 +44,13 @@ def autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
-def _block(attn: nn.Module, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+# The label cross_entropy skips: targets left out by loss_mask or starting a document.
+_IGNORED = -100
+
+
+def _block(attn: nn.Module, ff: nn.Module, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One pre-norm block without a cache: x: [b, n, dim] -> [b, n, dim]."""
-    x = x + attn(x)
+    x = x + (attn(x) if document_ids is None else attn(x, document_ids=document_ids))
     return x + ff(x)
 
 
@@ -115,27 +119,46 @@ class Transformer(nn.Module):
         self.to_logits = nn.Linear(dim, num_tokens, bias=False)
 
     def forward(self, ids: torch.Tensor, return_loss: bool = False, caches: list | None = None,
-                return_caches: bool = False):
+                return_caches: bool = False, document_ids: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None):
         """ids: [b, n] (int64) -> logits [b, n, num_tokens].
 
         With ``return_loss`` the model predicts ``ids[:, 1:]`` from ``ids[:, :-1]`` and
-        returns the mean cross-entropy (nats). ``caches`` (one per layer, from an earlier
-        call with ``return_caches``) continue decoding from the given tokens.
+        returns the mean cross-entropy (nats) over the targets that ``loss_mask: [b, n]``
+        (bool, default all) keeps. ``caches`` (one per layer, from an earlier call with
+        ``return_caches``) continue decoding from the given tokens.
+
+        ``document_ids: [b, n]`` packs documents in each row (``documents.pack_documents``
+        makes both it and a ``loss_mask`` of the real tokens): no layer attends across
+        documents, and no document's first token is a target.
         """
         if ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be an integer tensor of shape [batch, seq_len], got {ids.dtype} {tuple(ids.shape)}")
+        if loss_mask is not None:
+            if not return_loss:
+                raise ValueError("loss_mask needs return_loss=True")
+            if not isinstance(loss_mask, torch.Tensor) or loss_mask.dtype != torch.bool or loss_mask.shape != ids.shape:
+                raise ValueError(f"loss_mask must be a bool tensor of the shape of ids {tuple(ids.shape)}")
+        if document_ids is not None and (caches is not None or return_caches):
+            raise ValueError("document_ids packs documents for training: it cannot be combined with caches")
         if return_loss:
             if not self.causal:
                 raise ValueError("return_loss (next-token prediction) needs a causal model")
             ids, labels = ids[:, :-1], ids[:, 1:]
+            targets = torch.ones_like(labels, dtype=torch.bool) if loss_mask is None else loss_mask[:, 1:]
+            if document_ids is not None:
+                targets = targets & (document_ids[:, 1:] == document_ids[:, :-1])
+                document_ids = document_ids[:, :-1]
+            if loss_mask is not None or document_ids is not None:
+                labels = labels.masked_fill(~targets, _IGNORED)
         x = self.token_emb(ids)
         new_caches = []
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for index, (attn, ff) in enumerate(self.layers):
             if caches is None and not return_caches:
                 # No RNG in the blocks to replay, and CUDA graph captures cannot read the RNG state.
-                x = (checkpoint(_block, attn, ff, x, use_reentrant=False, preserve_rng_state=False) if recompute
-                     else _block(attn, ff, x))
+                x = (checkpoint(_block, attn, ff, x, document_ids, use_reentrant=False, preserve_rng_state=False)
+                     if recompute else _block(attn, ff, x, document_ids))
                 continue
             layer_cache = None if caches is None else caches[index]
             if return_caches:
@@ -147,7 +170,7 @@ class Transformer(nn.Module):
             x = x + ff(x)
         logits = self.to_logits(self.norm(x))
         if return_loss:
-            return F.cross_entropy(logits.transpose(1, 2), labels.long())
+            return F.cross_entropy(logits.transpose(1, 2), labels.long(), ignore_index=_IGNORED)
         return (logits, new_caches) if return_caches else logits
 
     @torch.no_grad()

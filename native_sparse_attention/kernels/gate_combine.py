@@ -297,7 +297,8 @@ def _folded_lses(gates: torch.Tensor, *lses: torch.Tensor) -> torch.Tensor:
 
 
 def _fake_branches_backward(d_y, out_weight, merged, weight_dtype, q, ck, cv, out_c, folded_c, rq, rk, v, indices,
-                            mask, out_s, folded_s, out_w, folded_w, table, *options):
+                            mask, out_s, folded_s, out_w, folded_w, table, *options, document_start=None,
+                            document_end=None):
     d_out = out_c.new_empty(out_c.shape)
     compressed = compressed_kernels._fake_attend_and_select_backward(d_out, None, q, ck, cv)
     drq, drk, dv, _, dgate_s, dgate_w = selection_kernels._fake_backward(
@@ -316,6 +317,7 @@ def _branches_backward(
     table: list[torch.Tensor], compress_block_size: int, compress_stride: int, num_mem: int, causal: bool, scale: float,
     selection_block_size: int, num_selected: int, share_selection: bool,
     block_size: int, selection_causal: bool, window: int | None, selection_scale: float,
+    document_start: torch.Tensor | None = None, document_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
     """The branches' backward, gates folded into the LSEs (``folded_*``), from ``d_y``,
@@ -326,7 +328,7 @@ def _branches_backward(
     ``weight_dtype`` (empty without one). ``table``: the selection forward's inversion
     for dK / dV, or none. The compressed branch's launches and the weight's gradient run
     beside the others (the arguments after ``table``: the two operators' options, in
-    order).
+    order, then the packed documents' bounds, ``[b, n]`` int32 each, or None).
 
     The compressed branch's backward runs at half its n = 65536 rate at 8192, its loops
     short and its grids' tails long. Side by side, the layer benchmark's compiled step at
@@ -344,6 +346,7 @@ def _branches_backward(
         grads = compressed_kernels._attend_and_select_backward(
             d_out, None, q, ck, cv, out_c, folded_c, indices, mask, compress_block_size, compress_stride, num_mem,
             causal, scale, selection_block_size, num_selected, share_selection,
+            document_start=document_start, document_end=document_end,
         )
         if out_weight is None:
             return grads, d_y.new_empty(0, dtype=weight_dtype)
@@ -353,6 +356,7 @@ def _branches_backward(
         drq, drk, dv, _, dgate_s, dgate_w = selection_kernels._launch_backward(
             rq, rk, v, indices, mask, None, out_s, folded_s, out_w, folded_w, d_out, d_out,
             block_size, selection_causal, window, selection_scale, table,
+            document_start=document_start, document_end=document_end,
         )
         return drq, drk, dv, dgate_s, dgate_w
 
@@ -366,15 +370,18 @@ class _GatedBranches(torch.autograd.Function):
     the module docstring). ``compressed_options``: the compressed operator's geometry;
     ``selection_options``: (block_size, causal, window, scale) of the selection operator.
     ``invert``: a backward will follow, whose inversion of the selection for dK / dV the
-    forward computes beside its selection launches."""
+    forward computes beside its selection launches. ``document_start``, ``document_end``:
+    the packed documents' bounds, [b, n] int32 each, or None."""
 
     @staticmethod
-    def forward(ctx, gates, q, ck, cv, rq, rk, v, out_weight, compressed_options, selection_options, invert):
+    def forward(ctx, gates, q, ck, cv, rq, rk, v, out_weight, compressed_options, selection_options, invert,
+                document_start, document_end):
+        documents = dict(document_start=document_start, document_end=document_end)
         out_c, lse_c, indices, mask, scores = compressed_kernels._attend_and_select_forward(
-            q, ck, cv, *compressed_options
+            q, ck, cv, *compressed_options, **documents
         )
         out_s, lse_s, out_w, lse_w, merged, table = selection_kernels._launch_forward(
-            rq, rk, v, indices, mask, None, *selection_options, 0, gates, out_c, invert
+            rq, rk, v, indices, mask, None, *selection_options, 0, gates, out_c, invert, **documents
         )
         if merged.numel() == 0:  # the selection's launch could not fold the sum in
             merged = _forward(gates, out_c, out_s, out_w)
@@ -385,6 +392,7 @@ class _GatedBranches(torch.autograd.Function):
         ctx.save_for_backward(gates, q, ck, cv, rq, rk, v, indices, mask, out_c, lse_c, out_s, lse_s, out_w, lse_w,
                               merged if weight is not None else None, weight, *table)
         ctx.options = compressed_options, selection_options
+        ctx.documents = documents
         ctx.weight_dtype = out_weight.dtype if out_weight is not None else merged.dtype
         ctx.mark_non_differentiable(indices, mask, scores)
         return out, indices, mask, scores
@@ -397,15 +405,17 @@ class _GatedBranches(torch.autograd.Function):
         folded_c, folded_s, folded_w = _folded_lses(gates, lse_c, lse_s, lse_w)
         dq, dck, dcv, dgate_c, drq, drk, dv, dgate_s, dgate_w, d_weight = _branches_backward(
             d_out, weight, merged, ctx.weight_dtype, q, ck, cv, out_c, folded_c, rq, rk, v, indices, mask, out_s,
-            folded_s, out_w, folded_w, table, *compressed_options, *selection_options,
+            folded_s, out_w, folded_w, table, *compressed_options, *selection_options, **ctx.documents,
         )
         dgates = torch.stack((dgate_c, dgate_s, dgate_w)).to(gates.dtype)
-        return dgates, dq, dck, dcv, drq, drk, dv, (d_weight if weight is not None else None), None, None, None
+        d_weight = d_weight if weight is not None else None
+        return dgates, dq, dck, dcv, drq, drk, dv, d_weight, None, None, None, None, None
 
 
 def gated_branches(gates: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rq: torch.Tensor,
                    rk: torch.Tensor, v: torch.Tensor, compressed_options: tuple, selection_options: tuple,
-                   out_weight: torch.Tensor | None = None):
+                   out_weight: torch.Tensor | None = None,
+                   documents: tuple[torch.Tensor, torch.Tensor] | None = None):
     """NSA's three branches on the Triton kernels, mixed by their gates: the layer's kernel
     path when the selection scores need no gradient.
 
@@ -416,7 +426,9 @@ def gated_branches(gates: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: t
     sliding_window_size, scale), all already validated. Returns the gated sum with the heads
     merged, [b, n, hq * d], or with ``out_weight`` [dim, hq * d] its projection
     ``merged @ out_weight^T`` [b, n, dim] (differentiable in every tensor input), and the
-    ``BlockSelection`` the compressed branch chose (not differentiable).
+    ``BlockSelection`` the compressed branch chose (not differentiable). ``documents``:
+    ``(document_start, document_end)``, [b, n] int32 each, when the rows pack documents
+    (``documents.document_bounds``).
 
     Projected here, the weight's gradient runs beside the selected and sliding branches'
     backward instead of before it: the layer passes its output projection's weight. In
@@ -429,5 +441,7 @@ def gated_branches(gates: torch.Tensor, q: torch.Tensor, ck: torch.Tensor, cv: t
     """
     inputs = (gates, q, ck, cv, rq, rk, v, out_weight)
     invert = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    out, indices, mask, scores = _GatedBranches.apply(*inputs, compressed_options, selection_options, invert)
+    document_start, document_end = (None, None) if documents is None else documents
+    out, indices, mask, scores = _GatedBranches.apply(*inputs, compressed_options, selection_options, invert,
+                                                      document_start, document_end)
     return out, BlockSelection(indices, mask, scores)
