@@ -139,8 +139,8 @@ def test_documents_need_a_causal_layer_without_cache():
         layer(torch.randn(1, 16, DIM), cache=cache, document_ids=ids)
 
 
-@pytest.mark.parametrize("use_sparse_attn", [True, False])
-def test_packed_language_model_loss_is_the_documents_loss(use_sparse_attn):
+@pytest.mark.parametrize("use_sparse_attn, activation_checkpointing", [(True, False), (False, False), (True, True)])
+def test_packed_language_model_loss_is_the_documents_loss(use_sparse_attn, activation_checkpointing):
     """A packed batch's loss is the mean over the documents' own next-token targets: padding
     and each document's first token are no targets, and no layer looks across documents."""
     from native_sparse_attention import Transformer
@@ -148,13 +148,16 @@ def test_packed_language_model_loss_is_the_documents_loss(use_sparse_attn):
     kwargs = dict(sliding_window_size=5, compress_block_size=8, compress_block_sliding_stride=4,
                   selection_block_size=8, num_selected_blocks=2)
     model = Transformer(num_tokens=50, dim=DIM, depth=2, heads=HEADS, dim_head=DIM_HEAD, kv_heads=2,
-                        use_sparse_attn=use_sparse_attn, sparse_attn_kwargs=kwargs).double()
+                        use_sparse_attn=use_sparse_attn, sparse_attn_kwargs=kwargs,
+                        activation_checkpointing=activation_checkpointing).double()
     documents = [torch.randint(0, 50, (length,)) for length in (16, 13, 24, 9)]
     packed = pack_documents(documents, seq_len=40, alignment=8)
     loss = model(packed.tokens, return_loss=True, document_ids=packed.document_ids, loss_mask=packed.is_token)
     alone = [model(document[None], return_loss=True) for document in documents]
     targets = torch.tensor([len(document) - 1 for document in documents], dtype=torch.float64)
     torch.testing.assert_close(loss, (torch.stack(alone) * targets).sum() / targets.sum())
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_checked_ids_are_checked_again_after_a_change():
@@ -215,6 +218,12 @@ def test_triton_path_with_documents_matches_pytorch_path_interpreted(monkeypatch
     (ref_out, ref_dx), _ = _packed_and_alone_runs(reference, x, grad_out, lengths)
     assert _relative_error(out, ref_out) < 1e-5 and _relative_error(dx, ref_dx) < 1e-5
     assert _relative_error(out, alone_out) < 1e-5 and _relative_error(dx, alone_dx) < 1e-5
+
+    # Rows of a batch with documents of their own.
+    ids = ids_of([[16, 48, 32], [64, 32]])
+    x = torch.randn(2, 96, SMALL_CONFIG["dim"])
+    outputs = [layer(x, document_ids=ids) for layer in (fast, reference)]
+    assert _relative_error(*outputs) < 1e-5
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
