@@ -47,7 +47,10 @@ _SCORE_MOD_KERNEL_OPTIONS = {"fwd_num_stages": 2, "bwd_num_stages": 2}
 
 @functools.cache
 def _compiled_flex_attention():
-    return torch.compile(flex_attention)
+    # Static shapes: a call at a second sequence length would otherwise recompile with the
+    # length symbolic, which Inductor's flex template rejected (NoValidChoicesError, torch
+    # 2.11, H100) when the layer ran a packed row and then each document alone.
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _attend(q, k, v, **kwargs) -> torch.Tensor:

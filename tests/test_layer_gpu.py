@@ -372,3 +372,16 @@ def test_cuda_graph_decoding_matches_pytorch_path(share):
     assert _relative_error(graphed, expected) < 1e-2
     with torch.no_grad():
         assert _relative_error(graphed, reference(x)[:, prefill:]) < 5e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_flex_path_runs_at_several_lengths():
+    """The FlexAttention path compiled for each sequence length it meets (static shapes)."""
+    torch.manual_seed(0)
+    layer = SparseAttention(**CONFIG, use_flex_attention=True).cuda()
+    for n in (1024, 640, 2048):
+        x = torch.randn(1, n, CONFIG["dim"], device="cuda", requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            layer(x).sum().backward()
+        assert torch.isfinite(x.grad).all()
