@@ -139,8 +139,11 @@ class Transformer(nn.Module):
                 raise ValueError("loss_mask needs return_loss=True")
             if not isinstance(loss_mask, torch.Tensor) or loss_mask.dtype != torch.bool or loss_mask.shape != ids.shape:
                 raise ValueError(f"loss_mask must be a bool tensor of the shape of ids {tuple(ids.shape)}")
-        if document_ids is not None and (caches is not None or return_caches):
-            raise ValueError("document_ids packs documents for training: it cannot be combined with caches")
+        if document_ids is not None:
+            if caches is not None or return_caches:
+                raise ValueError("document_ids packs documents for training: it cannot be combined with caches")
+            if not isinstance(document_ids, torch.Tensor) or document_ids.shape != ids.shape:
+                raise ValueError(f"document_ids must be a tensor of the shape of ids {tuple(ids.shape)}")
         if return_loss:
             if not self.causal:
                 raise ValueError("return_loss (next-token prediction) needs a causal model")

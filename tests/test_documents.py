@@ -160,6 +160,30 @@ def test_packed_language_model_loss_is_the_documents_loss(use_sparse_attn, activ
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def test_language_model_rejects_bad_document_arguments():
+    from native_sparse_attention import Transformer
+
+    model = Transformer(num_tokens=50, dim=DIM, depth=1, heads=HEADS, dim_head=DIM_HEAD, use_sparse_attn=False)
+    ids = torch.randint(0, 50, (1, 16))
+    with pytest.raises(ValueError, match="document_ids must be a tensor of the shape of ids"):
+        model(ids, return_loss=True, document_ids=ids_of([[8, 7]]))
+    with pytest.raises(ValueError, match="loss_mask needs return_loss"):
+        model(ids, loss_mask=torch.ones(1, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="cannot be combined with caches"):
+        model(ids, return_caches=True, document_ids=ids_of([[8, 8]]))
+
+
+def test_inference_mode_ids_are_checked_at_every_call():
+    layer = make_layer()
+    x = torch.randn(1, 16, DIM)
+    with torch.inference_mode():
+        ids = ids_of([[8, 8]])
+        torch.testing.assert_close(layer(x, document_ids=ids), layer(x, document_ids=ids.clone()))
+        ids[0, 8:12] = 0
+        with pytest.raises(ValueError, match="starts at position 12"):
+            layer(x, document_ids=ids)
+
+
 def test_checked_ids_are_checked_again_after_a_change():
     layer = make_layer()
     x = torch.randn(1, 16, DIM)
