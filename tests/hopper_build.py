@@ -1,0 +1,108 @@
+"""Compiles, without a GPU, the Triton kernels of SparseAttention's training and decoding
+steps for an H100 (sm_90a) under the installed Triton; prints the outcome as JSON:
+``{"compiled": [kernel names], "failures": {kernel name: error}}``.
+
+Nothing runs on a device: Triton's active driver is replaced by one that names an sm_90
+target, and every kernel launch only compiles (``warmup``). The layer runs on CPU tensors
+and takes its kernel path as it does under ``TRITON_INTERPRET=1``, with the interpreter's
+launch options; between kernels PyTorch works on zero-filled buffers. The kernels behind
+CUDA-only dispatch (the fused projections, rotary embedding and compression MLP) are not
+reached. ``tests/test_hopper_build.py`` runs this in a subprocess, which keeps the patches
+out of its session.
+"""
+
+import importlib
+import json
+import os
+import pkgutil
+import sys
+import traceback
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+
+class _HopperDriver:
+    """The part of Triton's driver interface that compiling a launch reads."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def _import_kernels():
+    """Imports every module of the package while ``TRITON_INTERPRET`` is unset, so that
+    ``triton.jit`` makes compilable functions rather than interpreted ones."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    import native_sparse_attention
+    import native_sparse_attention.kernels
+
+    for package in (native_sparse_attention, native_sparse_attention.kernels):
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+    # Read at call time by the dispatch: CPU tensors take the kernel path.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _steps() -> None:
+    from native_sparse_attention import SparseAttention
+
+    SparseAttention._use_fast_path = lambda self, x: self.use_triton_kernel
+    torch.manual_seed(0)
+    for options in (dict(), dict(use_diff_topk=True, query_heads_share_selected_kv=False)):
+        layer = SparseAttention(dim=64, dim_head=32, heads=4, kv_heads=2, sliding_window_size=32,
+                                compress_block_size=16, compress_block_sliding_stride=8,
+                                selection_block_size=32, num_selected_blocks=2, causal=True,
+                                use_triton_kernel=True, **options)
+        x = torch.randn(2, 96, 64, requires_grad=True)
+        document_ids = torch.tensor([0] * 64 + [1] * 32).expand(2, -1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x).float().sum().backward()
+            layer(x, document_ids=document_ids).float().sum().backward()
+            with torch.no_grad():
+                _, cache = layer(x, return_cache=True)
+                for _ in range(2):
+                    _, cache = layer(torch.randn(2, 1, 64), cache=cache, return_cache=True)
+
+
+def main() -> None:
+    driver.set_active(_HopperDriver())
+    _import_kernels()
+    compiled, failures = set(), {}
+    compile_launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        name = self.fn.__name__
+        try:
+            compile_launch(self, *args, grid=grid, warmup=True, **kwargs)
+            compiled.add(name)
+        except Exception as error:  # noqa: BLE001 - every failure is reported
+            failures.setdefault(name, "".join(traceback.format_exception(error))[-4000:])
+
+    JITFunction.run = compile_only
+    torch.cuda.current_device = lambda: 0  # the launch cache's key
+    empty = torch.empty
+    # Kernel outputs stay unwritten: zeros keep the indices PyTorch gathers by in range.
+    torch.empty = lambda *args, **kwargs: torch.zeros(*args, **kwargs)
+    try:
+        _steps()
+    finally:
+        torch.empty = empty
+    json.dump({"compiled": sorted(compiled), "failures": failures}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
