@@ -86,11 +86,15 @@ def main() -> None:
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         name = self.fn.__name__
+        # Compiled as on a GPU: Triton reads TRITON_INTERPRET while compiling too.
+        os.environ.pop("TRITON_INTERPRET")
         try:
             compile_launch(self, *args, grid=grid, warmup=True, **kwargs)
             compiled.add(name)
         except Exception as error:  # noqa: BLE001 - every failure is reported
             failures.setdefault(name, "".join(traceback.format_exception(error))[-4000:])
+        finally:
+            os.environ["TRITON_INTERPRET"] = "1"
 
     JITFunction.run = compile_only
     torch.cuda.current_device = lambda: 0  # the launch cache's key

@@ -10,8 +10,6 @@ kernel forgets to write shows up as NaN / a bogus index.
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from native_sparse_attention.documents import document_bounds  # noqa: E402
 from native_sparse_attention.kernels import compressed  # noqa: E402
@@ -442,27 +440,6 @@ def test_selection_chunks_of_32_blocks(monkeypatch):
                         lambda kernel, q: wide if kernel == "select" else launch(kernel, q))
     assert compressed._chunk_layout(4, 4, 4, wide.block_n) == (32, 1, 32)
     check_against_reference(1, 4, 2, 140, 16, 4, 4, 1, 4, 5, True, True)
-
-
-@triton.jit
-def _merge_kernel(TOP, BEST, OUT, ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    offsets = tl.arange(0, ROWS)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
-    merged = tl.maximum(tl.load(TOP + offsets), tl.flip(tl.load(BEST + offsets), 1))
-    tl.store(OUT + offsets, compressed._bitonic_merge_descending(merged))
-
-
-@pytest.mark.parametrize("width", [1, 2, 16, 32])
-def test_bitonic_merge_keeps_the_top_of_two_descending_runs(width):
-    """The merge that the selection uses where Triton's own does not compile: the largest
-    ``width`` of two descending runs per row, descending (int64 keys, as it merges)."""
-    rows = 4
-    keys = torch.randperm(1 << 20)[:rows * 2 * width].to(torch.int64).view(rows, 2 * width)
-    top, best = (half.sort(dim=-1, descending=True).values.contiguous() for half in keys.chunk(2, dim=-1))
-    out = torch.empty_like(top)
-    top, best, out = (t.to(DEVICE) for t in (top, best, out))
-    _merge_kernel[(1,)](top, best, out, ROWS=rows, WIDTH=width)
-    expected = keys.sort(dim=-1, descending=True).values[:, :width]
-    assert torch.equal(out.cpu(), expected)
 
 
 @pytest.mark.parametrize("programs, row_tiles, splits", [

@@ -1,7 +1,6 @@
 """The layer's Triton kernels compile for an H100 under the installed Triton, on a machine
 without a GPU (``tests/hopper_build.py``): the interpreter, which runs the other kernel
-tests, accepts code that Triton's compiler rejects, as Triton 3.9 rejected its own
-``bitonic_merge``."""
+tests, executes the kernels as Python and accepts code that Triton's compiler rejects."""
 
 import json
 import os

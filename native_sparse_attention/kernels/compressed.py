@@ -86,7 +86,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from packaging.version import Version
 from triton.language.standard import bitonic_merge
 
 from native_sparse_attention.kernels.launch import launch
@@ -807,33 +806,6 @@ def _zero_pad_cols(x, WIDTH: tl.constexpr):
     return x
 
 
-# Triton's own bitonic merge where it compiles, which is faster: the block selection of
-# the layer benchmark's step at n = 65536 on H100s (Triton 3.6) took 2.67 ms with it and
-# 2.97 with _bitonic_merge_descending (on another H100, whose other kernels ran 1-3%
-# slower). Triton 3.9's fails to compile; 3.7 and 3.8 are untested.
-_TRITON_BITONIC_MERGE = tl.constexpr(Version(triton.__version__.split("+")[0]) < Version("3.7"))
-
-
-@triton.jit
-def _bitonic_merge_descending(x):
-    """``x: [BM, W]`` (W a power of two), each row a bitonic sequence, sorted descending by
-    log2(W) half-cleaners: each splits every run of L elements into halves and swaps the
-    pairs L / 2 apart that are out of order, leaving runs of L / 2 (the tensor's shape
-    ``[BM, runs, L]``). For the Triton versions whose ``tl.standard.bitonic_merge`` does
-    not compile (3.9; see ``_TRITON_BITONIC_MERGE``)."""
-    upper = (tl.arange(0, 2) == 0)[None, None, :, None]
-    runs = tl.reshape(x, [x.shape[0], 1, x.shape[1]])
-    for _ in tl.static_range(16):  # unrolled, so each stage may change the shape
-        if runs.shape[2] > 1:
-            pairs = tl.reshape(runs, [runs.shape[0], runs.shape[1], 2, runs.shape[2] // 2])
-            first = tl.sum(tl.where(upper, pairs, 0), 2)
-            second = tl.sum(tl.where(upper, 0, pairs), 2)
-            pairs = tl.where(upper, tl.maximum(first, second)[:, :, None, :],
-                             tl.minimum(first, second)[:, :, None, :])
-            runs = tl.reshape(pairs, [runs.shape[0], runs.shape[1] * 2, runs.shape[2] // 2])
-    return tl.reshape(runs, [x.shape[0], x.shape[1]])
-
-
 @triton.jit
 def _merge_top(top, cand):
     """The largest ``TOPN_PAD`` keys per row of ``top: [BM, TOPN_PAD]`` (descending) and
@@ -847,10 +819,7 @@ def _merge_top(top, cand):
     """
     width: tl.constexpr = max(top.shape[1], cand.shape[1])
     best = tl.topk(_zero_pad_cols(cand, width), top.shape[1])
-    merged = tl.maximum(top, tl.flip(best, 1))
-    if _TRITON_BITONIC_MERGE:
-        return bitonic_merge(merged, descending=True)
-    return _bitonic_merge_descending(merged)
+    return bitonic_merge(tl.maximum(top, tl.flip(best, 1)), descending=True)
 
 
 @triton.jit
