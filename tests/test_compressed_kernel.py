@@ -267,12 +267,14 @@ def test_packed_documents_split_among_programs(monkeypatch):
 
 def test_documents_none_changes_nothing_and_one_document_per_row_little():
     """Passing None documents gives the bits of leaving them out; one document per row,
-    the same values (the memory keys' gradients are summed in another order)."""
-    q, ck, cv = make_inputs(2, 4, 2, 64, 16, 8, 4, 1, torch.float32, seed=25)
+    the same values (the memory keys' gradients are summed in another order). At 128
+    tokens the key tile holding the memory key has rows that see all of it, whose unmasked
+    steps must leave the memory key's share to the dQ kernel."""
+    q, ck, cv = make_inputs(2, 4, 2, 128, 16, 8, 4, 1, torch.float32, seed=25)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(26)).to(DEVICE)
     runs = []
     for documents in ({}, dict(document_start=None, document_end=None),
-                      dict(zip(("document_start", "document_end"), packed_bounds([[64], [64]])))):
+                      dict(zip(("document_start", "document_end"), packed_bounds([[128], [128]])))):
         inputs = [t.detach().clone().requires_grad_() for t in (q, ck, cv)]
         out, lse, selection = compressed_attend_and_select(*inputs, 8, 4, 1, 16, 3, **documents)
         (out * dout).sum().backward()
