@@ -228,6 +228,8 @@ DOCUMENT_CASES = {
     # loops skip, mask and run unmasked tiles.
     "many_key_tiles": (2, 2, 1, 128, 16, 4, 2, 1, 8, 3, True, [[40, 8, 80], [16, 56, 8, 48]]),
     "many_key_tiles_per_head_no_memory": (1, 4, 2, 128, 16, 8, 2, 0, 8, 2, False, [[24, 104]]),
+    # A document ending inside a query tile (at 88) that key tiles' unmasked rows precede.
+    "document_ends_inside_query_tiles": (1, 2, 1, 128, 16, 4, 2, 1, 8, 3, True, [[88, 40]]),
 }
 
 

@@ -578,9 +578,19 @@ def _attention_bwd_dkdv_kernel(
     rows_masked_end = tl.minimum(tl.maximum(rows_full, rows_lo), rows_hi)
     # Tiles of rows that see every key of the tile (by causality, and by documents up to
     # rows_docs) skip the mask.
+    unmasked_start = tl.maximum(rows_full, rows_lo)
     rows_unmasked_end = rows_hi
     if HAS_DOCS:
         rows_unmasked_end = tl.minimum(tl.maximum(tl.maximum(rows_docs, rows_full), rows_lo), rows_hi)
+        # Rows past some key's document (from rows_unmasked_end on) go through the masked
+        # loop with the causal ones, and then so do all the share's rows. They only follow
+        # unmasked rows where a document ends inside a query tile (selection blocks shorter
+        # than BLOCK_M): in a key tile that straddles two documents, the causal rows of its
+        # last keys already reach past the first. A third loop for them made ptxas spill in
+        # the unmasked loop (20 loads and 13 stores an iteration at 255 registers, Triton 3.6).
+        tail = rows_unmasked_end < rows_hi
+        rows_masked_end = tl.where(tail, rows_hi, rows_masked_end)
+        rows_unmasked_end = tl.where(tail, unmasked_start, rows_unmasked_end)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for m_start in range(rows_lo, rows_masked_end, BLOCK_M):
@@ -588,18 +598,11 @@ def _attention_bwd_dkdv_kernel(
                             dscore_ptr, m_start, M, key_start, key_rows_end, NUM_MEM, NC, CBS, STRIDE,
                             SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IS_CAUSAL, True, SCORE_GRAD,
                             TOPN, BLOCK_J, HAS_DOCS, DOT_PRECISION)
-    for m_start in range(tl.maximum(rows_full, rows_lo), rows_unmasked_end, BLOCK_M):
+    for m_start in range(unmasked_start, rows_unmasked_end, BLOCK_M):
         dk, dv = _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_ptr,
                             dscore_ptr, m_start, M, key_start, key_rows_end, NUM_MEM, NC, CBS, STRIDE,
                             SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IS_CAUSAL, False, SCORE_GRAD,
                             TOPN, BLOCK_J, HAS_DOCS, DOT_PRECISION)
-    if HAS_DOCS:
-        for m_start in range(rows_unmasked_end, rows_hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, Q_TILES, DO_TILES, z, h, lse_ptr, delta_ptr, sel_ptr,
-                                dscore_ptr, m_start, M, key_start, key_rows_end, NUM_MEM, NC, CBS,
-                                STRIDE, SBS, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, IS_CAUSAL, True,
-                                SCORE_GRAD, TOPN, BLOCK_J, HAS_DOCS, DOT_PRECISION)
-
     if HAS_DOCS:
         memory = (key_start + tl.arange(0, BLOCK_N) < NUM_MEM)[:, None]
         dk = tl.where(memory, 0.0, dk)
