@@ -1,14 +1,15 @@
-"""Compiles, without a GPU, the Triton kernels of SparseAttention's training and decoding
-steps for an H100 (sm_90a) under the installed Triton; prints the outcome as JSON:
+"""Compiles, without a GPU, the Triton kernels that SparseAttention's training and decoding
+steps launch, for an H100 (sm_90a) under the installed Triton; prints the outcome as JSON:
 ``{"compiled": [kernel names], "failures": {kernel name: error}}``.
 
 Nothing runs on a device: Triton's active driver is replaced by one that names an sm_90
 target, and every kernel launch only compiles (``warmup``). The layer runs on CPU tensors
 and takes its kernel path as it does under ``TRITON_INTERPRET=1``, with the interpreter's
-launch options; between kernels PyTorch works on zero-filled buffers. The kernels behind
-CUDA-only dispatch (the fused projections, rotary embedding and compression MLP) are not
-reached. ``tests/test_hopper_build.py`` runs this in a subprocess, which keeps the patches
-out of its session.
+launch options; between kernels PyTorch works on zero-filled buffers. The kernels that
+the layer launches only for CUDA tensors (the fused projection, rotary embedding and
+compression MLP, the decoding caches' writes) or for a position read on the device (the
+merges of split decoding work) are called directly. ``tests/test_hopper_build.py`` runs
+this in a subprocess, which keeps the patches out of its session.
 """
 
 import importlib
@@ -72,10 +73,40 @@ def _steps() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             layer(x).float().sum().backward()
             layer(x, document_ids=document_ids).float().sum().backward()
+            if not options:
+                # From 4096 queries the selection's forward runs key-major.
+                layer(torch.randn(1, 4096, 64, requires_grad=True)).float().sum().backward()
             with torch.no_grad():
                 _, cache = layer(x, return_cache=True)
                 for _ in range(2):
                     _, cache = layer(torch.randn(2, 1, 64), cache=cache, return_cache=True)
+
+
+def _direct_calls() -> None:
+    from native_sparse_attention.kernels.cache_write import write_compressed_row, write_ring_and_read_window
+    from native_sparse_attention.kernels.compressed import compressed_attend_and_select_at
+    from native_sparse_attention.kernels.compress_mlp import relu_mlp
+    from native_sparse_attention.kernels.projection import project
+    from native_sparse_attention.kernels.rotary import apply_rotary, split_heads_and_rotate
+
+    dtype = torch.bfloat16
+    x = torch.randn(2, 8, 64, dtype=dtype, requires_grad=True)
+    weights = [torch.randn(96, 64, requires_grad=True), torch.randn(32, 64, requires_grad=True)]
+    project(x, weights).float().sum().backward()
+    windows = torch.randn(16, 4 * 32, dtype=dtype, requires_grad=True)
+    mlp = [torch.randn(64, 128), torch.randn(64), torch.randn(32, 64), torch.randn(32)]
+    relu_mlp(windows, *(w.requires_grad_() for w in mlp)).float().sum().backward()  # float32 master weights
+    inv_freq = torch.rand(16)
+    heads = torch.randn(2, 4, 8, 32, dtype=dtype, requires_grad=True)
+    apply_rotary(heads, inv_freq).float().sum().backward()
+    qkv = torch.randn(2, 8, (4 + 2 * 2) * 32 + 8, dtype=dtype, requires_grad=True)
+    sum(t.float().sum() for t in split_heads_and_rotate(qkv, 4, 2, inv_freq)).backward()
+    position, token = torch.tensor([5]), torch.randn(2, 2, 1, 32, dtype=dtype)
+    write_ring_and_read_window(position, token, torch.zeros(2, 2, 8, 32, dtype=dtype))
+    write_compressed_row(position, token, torch.zeros(2, 2, 6, 32, dtype=dtype), 1, 4, 2)
+    # One query on one kv head: few programs, so the key tiles and selection blocks split.
+    query, keys = torch.randn(1, 2, 1, 32, dtype=dtype), torch.randn(1, 1, 70, 32, dtype=dtype)
+    compressed_attend_and_select_at(query, keys, keys, torch.tensor([500]), 16, 8, 1, 32, 2, share_selection=True)
 
 
 def main() -> None:
@@ -103,6 +134,7 @@ def main() -> None:
     torch.empty = lambda *args, **kwargs: torch.zeros(*args, **kwargs)
     try:
         _steps()
+        _direct_calls()
     finally:
         torch.empty = empty
     json.dump({"compiled": sorted(compiled), "failures": failures}, sys.stdout)
