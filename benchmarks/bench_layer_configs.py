@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_layer import (  # noqa: E402
-    NSA_OPTIONS, Heads, Measurement, kernel_group, inputs, measure, step_fns,
+    NSA_OPTIONS, Heads, Measurement, kernel_group, inputs, make_workspaces, measure, step_fns,
 )
 from benchmarks.figures import configs_figure  # noqa: E402
 from benchmarks.report import (  # noqa: E402
@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
     args = parser.parse_args()
     require_cuda(parser)
+    make_workspaces()
     results = []
     for heads in CONFIGS:
         result = ConfigResult(heads)

@@ -8,6 +8,7 @@ longer than their work. Replaying a captured graph launches them all at once.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, TypeVar
 
 import torch
@@ -18,6 +19,14 @@ T = TypeVar("T")
 __all__ = ["GraphedLoss", "GraphedLossBackward", "capture"]
 
 
+@functools.cache
+def _warmup_stream(device: int) -> torch.cuda.Stream:
+    # cuBLAS keeps a workspace for every stream it has run on until the process exits
+    # (32 MiB on Hopper, as much again for cuBLASLt): a new stream per capture would leak
+    # them each time.
+    return torch.cuda.Stream(device)
+
+
 def capture(fn: Callable[[], T], warmup_steps: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
     """Runs ``fn`` ``warmup_steps`` times, then captures one more call into a CUDA graph.
 
@@ -26,7 +35,7 @@ def capture(fn: Callable[[], T], warmup_steps: int = 3) -> tuple[torch.cuda.CUDA
     them: the caller keeps them alive as long as the graph may replay.
     """
     # Capture needs the allocator and cuBLAS workspaces warmed up off the default stream.
-    side = torch.cuda.Stream()
+    side = _warmup_stream(torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup_steps):

@@ -140,6 +140,28 @@ def test_layer_graphed_by_pytorch_matches_eager():
         _assert_close(_run(graphed, x, grad_out), _run(layer, x, grad_out, autocast=True), 2e-2, 5e-2, 1e-1)
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_captures_leave_no_memory_behind():
+    """``cuda_graph.capture`` warms a function up on a side stream, and cuBLAS keeps a
+    workspace for every stream it has run on: once the first capture has made the side
+    stream's, capturing again and dropping the graph gives back all it allocated."""
+    from native_sparse_attention.cuda_graph import capture
+
+    a = torch.randn(512, 512, device="cuda")
+    graph, product = capture(lambda: a @ a)
+    del graph, product
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    for _ in range(3):
+        graph, product = capture(lambda: a @ a)
+        graph.replay()
+        torch.testing.assert_close(product, a @ a)
+        del graph, product
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+
+
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
 @pytest.mark.parametrize("share, use_diff_topk, causal, key_major", [
     (True, True, True, False), (False, False, False, False), (True, False, True, True)])
