@@ -8,8 +8,10 @@ and takes its kernel path as it does under ``TRITON_INTERPRET=1``, with the inte
 launch options; between kernels PyTorch works on zero-filled buffers. The kernels that
 the layer launches only for CUDA tensors (the fused projection, rotary embedding and
 compression MLP, the decoding caches' writes) or for a position read on the device (the
-merges of split decoding work) are called directly. ``tests/test_hopper_build.py`` runs
-this in a subprocess, which keeps the patches out of its session.
+merges of split decoding work) are called directly. A launch that does not ask for fused
+multiply-adds (``kernels.launch`` does; Triton 3.10 no longer fuses by default) fails.
+``tests/test_hopper_build.py`` runs this in a subprocess, which keeps the patches out of
+its session.
 """
 
 import importlib
@@ -120,6 +122,8 @@ def main() -> None:
         # Compiled as on a GPU: Triton reads TRITON_INTERPRET while compiling too.
         os.environ.pop("TRITON_INTERPRET")
         try:
+            if kwargs.get("enable_fp_fusion") is not True:
+                raise RuntimeError("launched without enable_fp_fusion=True (kernels.launch passes it)")
             compile_launch(self, *args, grid=grid, warmup=True, **kwargs)
             compiled.add(name)
         except Exception as error:  # noqa: BLE001 - every failure is reported

@@ -95,7 +95,15 @@ def test_interpreted_kernels_take_tritons_path():
 
     launch(Interpreted(), (2, 3), 1, 2, BLOCK=4)
     launch(Interpreted(), (2, 3), 1, 2, BLOCK=4)
-    assert calls == [((2, 3), (1, 2), {"BLOCK": 4})] * 2
+    assert calls == [((2, 3), (1, 2), {"enable_fp_fusion": True, "BLOCK": 4})] * 2
+
+
+def test_kernels_compile_with_fused_multiply_adds_unless_told_otherwise(fake_kernel):
+    """Triton 3.10 no longer fuses by default; the kernels were tuned with it."""
+    x = torch.zeros(64)
+    launch(fake_kernel, (1,), x, 16, 5, BLOCK=32)
+    launch(fake_kernel, (1,), x, 16, 5, BLOCK=32, enable_fp_fusion=False)
+    assert [options["enable_fp_fusion"] for _, _, options in fake_kernel.slow] == [True, False]
 
 
 @triton.jit

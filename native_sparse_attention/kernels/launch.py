@@ -93,15 +93,21 @@ class _Variants:
 
 _VARIANTS: dict[JITFunction, _Variants] = {}
 
+# Compiled with fused multiply-adds, as Triton does by default up to 3.9: the kernels were
+# tuned and their errors measured that way, and Triton 3.10 turns the default off (3.9
+# warns where a launch leaves it unset). A launch may still pass its own.
+_COMPILE_DEFAULTS = {"enable_fp_fusion": True}
+
 
 def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     """``kernel[grid](*args, **options)``, through the compiled variant that an earlier
     launch of the same fingerprint compiled or found (see the module docstring).
     ``grid``: a tuple of one to three ints. Tensors and descriptors go as positional
     arguments: keyword arguments enter the fingerprint as they are, which suits the
-    constexprs and launch options they are for."""
+    constexprs and launch options they are for. Kernels compile with fused multiply-adds
+    unless ``options`` pass ``enable_fp_fusion=False``."""
     if not isinstance(kernel, JITFunction):
-        kernel[grid](*args, **options)
+        kernel[grid](*args, **{**_COMPILE_DEFAULTS, **options})
         return
     variants = _VARIANTS.get(kernel)
     if variants is None:
@@ -109,7 +115,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     key = variants.fingerprint(args, options)
     compiled = variants.compiled.get(key)
     if compiled is None:
-        compiled = kernel[grid](*args, **options)
+        compiled = kernel[grid](*args, **{**_COMPILE_DEFAULTS, **options})
         if compiled is not None:  # None where Triton compiles asynchronously
             if len(variants.compiled) >= _MAX_VARIANTS:
                 variants.compiled.clear()
