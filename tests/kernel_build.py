@@ -1,8 +1,11 @@
 """Compiles, without a GPU, the Triton kernels that SparseAttention's training and decoding
-steps launch, for an H100 (sm_90a) under the installed Triton; prints the outcome as JSON:
+steps launch, for a GPU of the compute capability given as the argument (90 by default: an
+H100, sm_90a) under the installed Triton; prints the outcome as JSON:
 ``{"compiled": [kernel names], "failures": {kernel name: error}}``.
 
-Nothing runs on a device: Triton's active driver is replaced by one that names an sm_90
+    python tests/kernel_build.py 80      # an A100
+
+Nothing runs on a device: Triton's active driver is replaced by one that names that
 target, and every kernel launch only compiles (``warmup``). The layer runs on CPU tensors
 and takes its kernel path as it does under ``TRITON_INTERPRET=1``, with the interpreter's
 launch options; between kernels PyTorch works on zero-filled buffers. The kernels that
@@ -10,7 +13,7 @@ the layer launches only for CUDA tensors (the fused projection, rotary embedding
 compression MLP, the decoding caches' writes) or for a position read on the device (the
 merges of split decoding work) are called directly. A launch that does not ask for fused
 multiply-adds (``kernels.launch`` does; Triton 3.10 no longer fuses by default) fails.
-``tests/test_hopper_build.py`` runs this in a subprocess, which keeps the patches out of
+``tests/test_kernel_build.py`` runs this in a subprocess, which keeps the patches out of
 its session.
 """
 
@@ -27,8 +30,11 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 
-class _HopperDriver:
+class _CompileOnlyDriver:
     """The part of Triton's driver interface that compiling a launch reads."""
+
+    def __init__(self, capability: int):
+        self.capability = capability
 
     def get_current_device(self):
         return 0
@@ -37,7 +43,7 @@ class _HopperDriver:
         return 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.capability, 32)
 
     def get_active_torch_device(self):
         return torch.device("cpu")
@@ -111,8 +117,8 @@ def _direct_calls() -> None:
     compressed_attend_and_select_at(query, keys, keys, torch.tensor([500]), 16, 8, 1, 32, 2, share_selection=True)
 
 
-def main() -> None:
-    driver.set_active(_HopperDriver())
+def main(capability: int) -> None:
+    driver.set_active(_CompileOnlyDriver(capability))
     _import_kernels()
     compiled, failures = set(), {}
     compile_launch = JITFunction.run
@@ -145,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 90)
