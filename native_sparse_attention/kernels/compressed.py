@@ -90,6 +90,7 @@ from triton.language.standard import bitonic_merge
 
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
+    capability,
     cdiv,
     dot_precision,
     head_pointer,
@@ -1038,12 +1039,14 @@ class _Geometry:
 @dataclass(frozen=True)
 class _Launch:
     """Tiles and launch options of one kernel: ``block_m`` query rows, ``block_n`` keys
-    (BLOCK_C, the compressed keys of a scoring tile, for the selection)."""
+    (BLOCK_C, the compressed keys of a scoring tile, for the selection); ``max_registers``
+    per thread (Triton's ``maxnreg``) where ptxas's own choice is not to be left to it."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    max_registers: int | None = None
 
 
 # Per kernel on CUDA: the fastest of a few tile shapes timed on an H100 at the layer
@@ -1111,6 +1114,18 @@ _MAX_SELECT_SPLITS = 4
 # Rows per program of the partial tops' merge.
 _MERGE_ROWS = 64
 _MAX_FEW_ROWS_SPLITS = 32
+# Kernels compiled for an A100 (compute capability 8.0) with a register cap. Without one,
+# ptxas gives Triton 3.5's and 3.6's code for the backward passes 32 registers a thread
+# and spills the rest of their state, 8 to 23 KB a thread: at d = 64 half the
+# instructions of each main-loop iteration were local-memory loads and stores (dK / dV
+# 1567 of 3009, dQ 1350 of 2788). With 255 registers dK / dV spills 2.6 KB (339 of its
+# loop's 1583 instructions) and dQ 1.5 KB (368 of 1556); the fewer registers would have
+# bought at most twice the programs per SM (dK / dV) or three times (dQ), the pipelined
+# tiles' shared memory allowing no more. GPUs of 8.6 and 8.9, for which ptxas chooses 255
+# on its own, and Triton 3.9's code, which gets 255 on every GPU, compile as before.
+# Unmeasured on an A100: these counts are the compiler's (`cuobjdump -sass` of the
+# kernels built for sm_80).
+_REGISTER_CAPS = {(8, 0): {"backward_dq": 255, "backward_dkdv": 255, "backward_dkdv_scores": 255}}
 
 
 def _launch(kernel: str, q: torch.Tensor) -> _Launch:
@@ -1118,12 +1133,20 @@ def _launch(kernel: str, q: torch.Tensor) -> _Launch:
     if q.device.type != "cuda":
         # Interpreter: small tiles so that short test sequences still span several tiles.
         return _Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    wide_rows = _block_d(q.shape[-1]) * q.element_size() > 128
+    return _cuda_launch(kernel, q.shape[-1], q.element_size(), q.shape[2], capability(q.device))
+
+
+def _cuda_launch(kernel: str, head_dim: int, element_size: int, rows: int,
+                 compute_capability: tuple[int, int]) -> _Launch:
+    """Launch options of ``kernel`` on a GPU of ``compute_capability`` for ``rows`` queries
+    per head of ``head_dim`` elements of ``element_size`` bytes."""
+    wide_rows = _block_d(head_dim) * element_size > 128
     tiles = (_CUDA_LAUNCH_WIDE_ROWS if wide_rows else _CUDA_LAUNCH)[kernel]
-    if q.shape[2] <= _FEW_ROWS and kernel in _FEW_ROWS_KERNELS:
+    if rows <= _FEW_ROWS and kernel in _FEW_ROWS_KERNELS:
         stages = tiles.num_stages if wide_rows else _FEW_ROWS_STAGES.get(kernel, tiles.num_stages)
-        return dataclasses.replace(tiles, block_m=_FEW_ROWS, num_warps=min(tiles.num_warps, 4), num_stages=stages)
-    return tiles
+        tiles = dataclasses.replace(tiles, block_m=_FEW_ROWS, num_warps=min(tiles.num_warps, 4), num_stages=stages)
+    cap = _REGISTER_CAPS.get(compute_capability, {}).get(kernel)
+    return tiles if cap is None else dataclasses.replace(tiles, max_registers=cap)
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -1182,8 +1205,11 @@ def _or_unread(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Ten
 
 
 def _launch_meta(tiles: _Launch) -> dict:
-    return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+    meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages)
+    if tiles.max_registers is not None:
+        meta["maxnreg"] = tiles.max_registers
+    return meta
 
 
 def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None = None,

@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from native_sparse_attention.kernels.launch import launch
 
-__all__ = ["NAMESPACE", "KERNEL_DTYPES", "cdiv", "next_power_of_2", "multiprocessors", "launcher_op",
+__all__ = ["NAMESPACE", "KERNEL_DTYPES", "cdiv", "next_power_of_2", "multiprocessors", "capability", "launcher_op",
            "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
            "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer", "cast_block",
            "column_sums", "dot_precision", "matmul_as"]
@@ -63,6 +63,13 @@ def multiprocessors(device: torch.device) -> int:
     """SMs of the CUDA ``device``, looked up once per device (a properties query: 1.8 us)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _properties(index).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability (major, minor) of the CUDA ``device``, looked up once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    properties = _properties(index)
+    return properties.major, properties.minor
 
 
 # The launchers read any strides, and the fakes derive their outputs' layouts from the
