@@ -6,6 +6,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from native_sparse_attention.kernels import launch as launch_module
@@ -104,6 +105,76 @@ def test_kernels_compile_with_fused_multiply_adds_unless_told_otherwise(fake_ker
     launch(fake_kernel, (1,), x, 16, 5, BLOCK=32)
     launch(fake_kernel, (1,), x, 16, 5, BLOCK=32, enable_fp_fusion=False)
     assert [options["enable_fp_fusion"] for _, _, options in fake_kernel.slow] == [True, False]
+
+
+class SharedMemoryBound:
+    """Stands in for a kernel whose tiles take ``per_stage`` bytes of shared memory a
+    pipeline stage, on a GPU of ``limit`` bytes a block."""
+
+    __name__ = "tiles_kernel"
+
+    def __init__(self, per_stage, limit=100_000, resource="shared memory"):
+        self.per_stage, self.limit, self.resource = per_stage, limit, resource
+        self.stages = []
+
+    def __getitem__(self, grid):
+        def run(*args, num_stages=3, **options):
+            self.stages.append(num_stages)
+            if self.per_stage * num_stages > self.limit:
+                raise OutOfResources(self.per_stage * num_stages, self.limit, self.resource)
+        return run
+
+
+@pytest.mark.parametrize("per_stage, options, stages", [
+    (30_000, dict(num_stages=4), [4, 3]),
+    (60_000, dict(num_stages=4), [4, 3, 2, 1]),
+    (40_000, dict(), [3, 2]),  # Triton's default of three stages, then two
+    (10_000, dict(num_stages=2), [2]),
+])
+def test_variants_too_large_for_shared_memory_take_fewer_stages(per_stage, options, stages):
+    kernel = SharedMemoryBound(per_stage)
+    launch(kernel, (1,), 7, BLOCK=16, **options)
+    assert kernel.stages == stages
+
+
+def test_a_variant_too_large_in_one_stage_names_the_kernel_and_the_remedy():
+    kernel = SharedMemoryBound(150_000)
+    with pytest.raises(RuntimeError, match=r"tiles_kernel needs 150000 bytes .* has 100000 .* autocast"):
+        launch(kernel, (1,), 7, num_stages=2)
+    assert kernel.stages == [2, 1]
+
+
+def test_other_resources_fail_as_triton_reports_them():
+    kernel = SharedMemoryBound(150_000, resource="threads")
+    with pytest.raises(OutOfResources, match="threads"):
+        launch(kernel, (1,), 7, num_stages=2)
+    assert kernel.stages == [2]
+
+
+@triton.jit
+def _stacked_dots_kernel(A, B, C, K, BLOCK: tl.constexpr):
+    rows = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK, BLOCK), tl.float32)
+    for k in range(0, K, BLOCK):
+        a = tl.load(A + rows[:, None] * K + k + rows[None, :])
+        b = tl.load(B + (k + rows[:, None]) * BLOCK + rows[None, :])
+        acc += tl.dot(a, b)
+    tl.store(C + rows[:, None] * BLOCK + rows[None, :], acc)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_launch_too_large_for_shared_memory_runs_in_fewer_stages():
+    """float32 tiles of 128 x 128 (64 KB each, two a stage) in six stages need more shared
+    memory than any GPU has; the launch still runs, in the stages that fit."""
+    torch.manual_seed(0)
+    k = 1024
+    a, b = torch.randn(128, k, device="cuda"), torch.randn(k, 128, device="cuda")
+    c = torch.full((128, 128), float("nan"), device="cuda")
+    with pytest.raises(OutOfResources, match="shared memory"):
+        _stacked_dots_kernel[(1,)](a, b, c, k, BLOCK=128, num_stages=6)
+    launch(_stacked_dots_kernel, (1,), a, b, c, k, BLOCK=128, num_stages=6)
+    torch.testing.assert_close(c, a @ b, rtol=1e-2, atol=1e-1)  # TF32 dots
 
 
 @triton.jit

@@ -19,6 +19,12 @@ was seen before goes straight to that compiled variant's launcher; any other tak
 Triton's own path once and is remembered.
 
 Interpreted kernels (``TRITON_INTERPRET=1``) take Triton's path every time.
+
+A variant whose tiles need more shared memory than the GPU has (the launch tables were
+measured on H100s, whose 227 KB a block few other GPUs have: 163 KB on an A100, 99 KB on
+GeForce cards; float32 inputs need twice the bytes of bf16 ones) compiles again with one
+pipeline stage fewer, down to one. Stages only set how many tiles load ahead, never what
+a kernel computes. Only a variant that does not fit even then fails, naming the kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from inspect import Parameter
 from typing import Any
 
 import torch
+from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -97,6 +104,30 @@ _VARIANTS: dict[JITFunction, _Variants] = {}
 # tuned and their errors measured that way, and Triton 3.10 turns the default off (3.9
 # warns where a launch leaves it unset). A launch may still pass its own.
 _COMPILE_DEFAULTS = {"enable_fp_fusion": True}
+# Triton's pipeline stages on NVIDIA GPUs where a launch does not set them.
+_DEFAULT_STAGES = 3
+
+
+def _first_launch(kernel, grid: tuple[int, ...], args: Sequence, options: dict):
+    """``kernel[grid](*args, **options)`` with the compile defaults, with fewer pipeline
+    stages where the variant does not fit the GPU's shared memory (module docstring).
+    Returns what Triton's call returns: the compiled kernel, or None."""
+    options = {**_COMPILE_DEFAULTS, **options}
+    while True:
+        try:
+            return kernel[grid](*args, **options)
+        except OutOfResources as error:
+            stages = options.get("num_stages", _DEFAULT_STAGES)
+            if error.name != "shared memory":
+                raise
+            if stages <= 1:
+                name = getattr(kernel, "__name__", type(kernel).__name__)
+                raise RuntimeError(
+                    f"{name} needs {error.required} bytes of shared memory even in one pipeline stage, and this "
+                    f"GPU has {error.limit} a block: run the layer under bf16 or fp16 autocast (half the bytes of "
+                    "float32 tiles), or with a smaller dim_head"
+                ) from error
+            options = {**options, "num_stages": stages - 1}
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
@@ -105,9 +136,10 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     ``grid``: a tuple of one to three ints. Tensors and descriptors go as positional
     arguments: keyword arguments enter the fingerprint as they are, which suits the
     constexprs and launch options they are for. Kernels compile with fused multiply-adds
-    unless ``options`` pass ``enable_fp_fusion=False``."""
+    unless ``options`` pass ``enable_fp_fusion=False``, and in fewer stages than
+    ``options`` ask where those do not fit the GPU's shared memory."""
     if not isinstance(kernel, JITFunction):
-        kernel[grid](*args, **{**_COMPILE_DEFAULTS, **options})
+        _first_launch(kernel, grid, args, options)
         return
     variants = _VARIANTS.get(kernel)
     if variants is None:
@@ -115,7 +147,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **options) -> None:
     key = variants.fingerprint(args, options)
     compiled = variants.compiled.get(key)
     if compiled is None:
-        compiled = kernel[grid](*args, **{**_COMPILE_DEFAULTS, **options})
+        compiled = _first_launch(kernel, grid, args, options)
         if compiled is not None:  # None where Triton compiles asynchronously
             if len(variants.compiled) >= _MAX_VARIANTS:
                 variants.compiled.clear()
