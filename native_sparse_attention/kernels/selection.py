@@ -158,7 +158,7 @@ from native_sparse_attention.kernels.attention_tiles import (
 )
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
-    cdiv, dot_precision, launcher_op, next_power_of_2, position_in_memory, row_tiles, side_by_side,
+    capability, cdiv, dot_precision, launcher_op, next_power_of_2, position_in_memory, row_tiles, side_by_side,
     start_position,
 )
 from native_sparse_attention.kernels.selection_inverse import (
@@ -173,6 +173,12 @@ FEW_QUERIES = 16  # forwards of at most this many queries: see default_launch_co
 # Selections shared by at most this many query heads take their dQ from the dK / dV pass
 # (LaunchConfig.atomic_dq; measured in default_launch_config's docstring).
 ATOMIC_DQ_MAX_SHARED_HEADS = 8
+# The forward asks for up to this many registers per thread on GPUs of these compute
+# capabilities. On an A100 ptxas gives Triton 3.6's code for a decoding step's few-row
+# tiles at d = 128 (bf16) 32 registers a thread and spills 10 KB, 3.2 KB with the cap;
+# the forward's other variants get 255 with or without it (the compressed backward's
+# _REGISTER_CAPS has the story). Unmeasured on an A100: the compiler's counts.
+FORWARD_REGISTER_CAPS = {(8, 0): 255}
 # Training forwards of 2-byte selections shared by at most KEY_MAJOR_FORWARD_MAX_SHARED_HEADS
 # query heads, in blocks of at least KEY_MAJOR_FORWARD_MIN_BLOCK keys, run key-major from
 # KEY_MAJOR_FORWARD_MIN_QUERIES queries on (over the batch), up to d = 64 from twice as many
@@ -1193,6 +1199,7 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
             HAS_DOCS=document_start is not None and window_tiles > 0,
             num_warps=num_warps,
             num_stages=num_stages,
+            **_forward_register_cap(q.device),
         )
 
     window_tiles = problem.num_window_tiles(for_dq=False) if sliding else 0
@@ -1386,6 +1393,12 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
         dk, dv = dk_acc.to(k.dtype, copy=True), dv_acc.to(v.dtype, copy=True)
     dsel = _empty((0,), q.dtype, q.device) if dsel is None else dsel.to(sel_scale.dtype)
     return dq, dk, dv, dsel, delta, _empty((0,), torch.float32, q.device) if swa_delta is None else swa_delta
+
+
+def _forward_register_cap(device: torch.device) -> dict:
+    """The forward's launch option ``maxnreg`` on ``device``, where FORWARD_REGISTER_CAPS has one."""
+    cap = FORWARD_REGISTER_CAPS.get(capability(device)) if device.type == "cuda" else None
+    return {} if cap is None else {"maxnreg": cap}
 
 
 def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, window: int | None,
