@@ -8,8 +8,6 @@ kernel forgets to write shows up as NaN / a bogus index.
 """
 
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -458,23 +456,6 @@ def test_selection_chunks_of_32_blocks(monkeypatch):
 def test_dkdv_query_splits_fill_the_gpu(monkeypatch, programs, row_tiles, splits):
     monkeypatch.setattr(compressed, "multiprocessors", lambda device: 132)
     assert compressed._dkdv_query_splits(programs, row_tiles, torch.device("cuda")) == splits
-
-
-@pytest.mark.parametrize("kernel, capability, cap", [
-    ("backward_dq", (8, 0), 255),           # an A100: ptxas would give 32 registers
-    ("backward_dkdv", (8, 0), 255),
-    ("backward_dkdv_scores", (8, 0), 255),
-    ("forward", (8, 0), None),              # 255 registers unasked
-    ("backward_dkdv", (8, 6), None),        # ptxas chooses 255 itself
-    ("backward_dq", (9, 0), None),          # an H100: 122 registers, no spill
-])
-def test_register_caps(kernel, capability, cap):
-    tiles = compressed._cuda_launch(kernel, 64, 2, 8192, capability)
-    assert tiles.max_registers == cap
-    assert compressed._launch_meta(tiles).get("maxnreg") == cap
-    # The cap is the only difference from the H100's launch.
-    hopper = compressed._cuda_launch(kernel, 64, 2, 8192, (9, 0))
-    assert dataclasses.replace(tiles, max_registers=None) == hopper
 
 
 @pytest.mark.parametrize("parts, kv_heads, group, size, dtype", [

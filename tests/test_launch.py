@@ -246,3 +246,61 @@ def test_every_launch_of_a_layer_step_binds_as_triton_does_and_repeats_its_finge
         assert variants.arguments(args, options) == list(bound.arguments.values()), kernel.fn.__name__
         assert variants.fingerprint(args_again, options_again) == variants.fingerprint(args, options), \
             kernel.fn.__name__
+
+
+@pytest.mark.parametrize("compute_capability, options", [
+    ((8, 0), {"maxnreg": 255}),  # an A100: ptxas would give several kernels 32 registers
+    ((8, 6), {}),
+    ((9, 0), {}),
+])
+def test_register_cap_by_compute_capability(monkeypatch, compute_capability, options):
+    from native_sparse_attention.kernels import library
+
+    monkeypatch.setattr(library, "capability", lambda device: compute_capability)
+    assert library.register_cap(torch.device("cuda")) == options
+    assert library.register_cap(torch.device("cpu")) == {}
+
+
+# The kernels whose launches take library.register_cap's options: the attention kernels
+# but the selection's key-major forward.
+ATTENTION_KERNELS = {
+    "_attention_fwd_kernel", "_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel", "_select_blocks_kernel",
+    "_fwd_kernel", "_dq_kernel", "_dkv_kernel", "window_dq_kernel", "window_dkv_kernel",
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches")
+@pytest.mark.parametrize("heads", [4, 16], ids=["key-major forward", "query-side forward"])
+def test_the_attention_kernels_and_only_they_take_the_register_cap(monkeypatch, heads):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from native_sparse_attention import SparseAttention
+    from native_sparse_attention.kernels import compressed, selection
+
+    for module in (compressed, selection):
+        monkeypatch.setattr(module, "register_cap", lambda device: {"maxnreg": 255})
+    monkeypatch.setattr(selection, "KEY_MAJOR_FORWARD_MIN_QUERIES", 1)
+    monkeypatch.setattr(selection, "KEY_MAJOR_FORWARD_MIN_BLOCK", 16)
+    launched = []
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **options):
+        launched.append((self.fn.__name__, options.get("maxnreg")))
+        return run(self, *args, grid=grid, warmup=warmup, **options)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    monkeypatch.setattr(SparseAttention, "_use_fast_path", lambda self, x: self.use_triton_kernel)
+    torch.manual_seed(0)
+    layer = SparseAttention(dim=32, dim_head=16, heads=heads, kv_heads=2, sliding_window_size=8,
+                            compress_block_size=8, compress_block_sliding_stride=4, selection_block_size=16,
+                            num_selected_blocks=2, use_triton_kernel=True)
+    x = torch.randn(1, 40, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.float16):  # the key-major forward takes 2-byte inputs
+        out = layer(x)
+    out.float().square().sum().backward()
+    capped = {name for name, cap in launched if cap == 255}
+    assert not {name for name, cap in launched if cap not in (None, 255)}
+    assert capped == ATTENTION_KERNELS & {name for name, _ in launched}
+    assert {"_attention_fwd_kernel", "_attention_bwd_dkdv_kernel", "_select_blocks_kernel", "_fwd_kernel",
+            "_dkv_kernel", "window_dkv_kernel"} <= capped
+    assert ("_key_major_fwd_kernel" in {name for name, _ in launched}) == (heads == 4)

@@ -631,17 +631,6 @@ INVALID = {
 }
 
 
-@pytest.mark.parametrize("compute_capability, options", [
-    ((8, 0), {"maxnreg": 255}),  # an A100: ptxas would give a decoding step's tiles 32 registers at d = 128
-    ((8, 6), {}),
-    ((9, 0), {}),
-])
-def test_forward_register_cap(monkeypatch, compute_capability, options):
-    monkeypatch.setattr(selection_kernels, "capability", lambda device: compute_capability)
-    assert selection_kernels._forward_register_cap(torch.device("cuda")) == options
-    assert selection_kernels._forward_register_cap(torch.device("cpu")) == {}
-
-
 @pytest.mark.parametrize("change, error, name", INVALID.values(), ids=INVALID.keys())
 def test_invalid_arguments_raise_before_launch(change, error, name, monkeypatch):
     def no_launch(*args, **kwargs):

@@ -90,7 +90,6 @@ from triton.language.standard import bitonic_merge
 
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
-    capability,
     cdiv,
     dot_precision,
     head_pointer,
@@ -101,6 +100,7 @@ from native_sparse_attention.kernels.library import (
     new_heads_tensor,
     next_power_of_2,
     position_in_memory,
+    register_cap,
     row_tiles,
     start_position,
     unit_stride_last,
@@ -1039,14 +1039,12 @@ class _Geometry:
 @dataclass(frozen=True)
 class _Launch:
     """Tiles and launch options of one kernel: ``block_m`` query rows, ``block_n`` keys
-    (BLOCK_C, the compressed keys of a scoring tile, for the selection); ``max_registers``
-    per thread (Triton's ``maxnreg``) where ptxas's own choice is not to be left to it."""
+    (BLOCK_C, the compressed keys of a scoring tile, for the selection)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    max_registers: int | None = None
 
 
 # Per kernel on CUDA: the fastest of a few tile shapes timed on an H100 at the layer
@@ -1114,19 +1112,6 @@ _MAX_SELECT_SPLITS = 4
 # Rows per program of the partial tops' merge.
 _MERGE_ROWS = 64
 _MAX_FEW_ROWS_SPLITS = 32
-# Kernels compiled for an A100 (compute capability 8.0) with a register cap. Without one,
-# ptxas gives Triton 3.5's and 3.6's code for the backward passes 32 registers a thread
-# and spills the rest of their state, 8 to 23 KB a thread: at d = 64 half the
-# instructions of each main-loop iteration were local-memory loads and stores (dK / dV
-# 1567 of 3009, dQ 1350 of 2788). With 255 registers dK / dV spills 2.6 KB (339 of its
-# loop's 1583 instructions) and dQ 1.5 KB (368 of 1556); the fewer registers would have
-# bought at most twice the programs per SM (dK / dV) or three times (dQ), the pipelined
-# tiles' shared memory allowing no more. GPUs of 8.6 and 8.9, for which ptxas chooses 255
-# on its own, compile as before; Triton 3.9's code gets 255 registers and the same spills
-# with the cap as without.
-# Unmeasured on an A100: these counts are the compiler's (`cuobjdump -sass` of the
-# kernels built for sm_80).
-_REGISTER_CAPS = {(8, 0): {"backward_dq": 255, "backward_dkdv": 255, "backward_dkdv_scores": 255}}
 
 
 def _launch(kernel: str, q: torch.Tensor) -> _Launch:
@@ -1134,20 +1119,12 @@ def _launch(kernel: str, q: torch.Tensor) -> _Launch:
     if q.device.type != "cuda":
         # Interpreter: small tiles so that short test sequences still span several tiles.
         return _Launch(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    return _cuda_launch(kernel, q.shape[-1], q.element_size(), q.shape[2], capability(q.device))
-
-
-def _cuda_launch(kernel: str, head_dim: int, element_size: int, rows: int,
-                 compute_capability: tuple[int, int]) -> _Launch:
-    """Launch options of ``kernel`` on a GPU of ``compute_capability`` for ``rows`` queries
-    per head of ``head_dim`` elements of ``element_size`` bytes."""
-    wide_rows = _block_d(head_dim) * element_size > 128
+    wide_rows = _block_d(q.shape[-1]) * q.element_size() > 128
     tiles = (_CUDA_LAUNCH_WIDE_ROWS if wide_rows else _CUDA_LAUNCH)[kernel]
-    if rows <= _FEW_ROWS and kernel in _FEW_ROWS_KERNELS:
+    if q.shape[2] <= _FEW_ROWS and kernel in _FEW_ROWS_KERNELS:
         stages = tiles.num_stages if wide_rows else _FEW_ROWS_STAGES.get(kernel, tiles.num_stages)
-        tiles = dataclasses.replace(tiles, block_m=_FEW_ROWS, num_warps=min(tiles.num_warps, 4), num_stages=stages)
-    cap = _REGISTER_CAPS.get(compute_capability, {}).get(kernel)
-    return tiles if cap is None else dataclasses.replace(tiles, max_registers=cap)
+        return dataclasses.replace(tiles, block_m=_FEW_ROWS, num_warps=min(tiles.num_warps, 4), num_stages=stages)
+    return tiles
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -1205,12 +1182,10 @@ def _or_unread(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Ten
     return stand_in if tensor is None else tensor
 
 
-def _launch_meta(tiles: _Launch) -> dict:
-    meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
-                num_stages=tiles.num_stages)
-    if tiles.max_registers is not None:
-        meta["maxnreg"] = tiles.max_registers
-    return meta
+def _launch_meta(tiles: _Launch, device: torch.device) -> dict:
+    """An attention kernel's tiles and launch options on ``device``."""
+    return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages, **register_cap(device))
 
 
 def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None = None,
@@ -1243,7 +1218,7 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
         geo.num_mem, geo.compress_block_size, geo.compress_stride, geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_D=block_d,
         Q_START_IN_MEMORY=in_memory, PARTIAL_OUTPUT=splits > 1, HAS_DOCS=document_start is not None,
-        DOT_PRECISION=dot_precision(q.dtype), **_launch_meta(tiles),
+        DOT_PRECISION=dot_precision(q.dtype), **_launch_meta(tiles, q.device),
     )
     if splits > 1:
         merge_rows = next_power_of_2(n)
@@ -1327,7 +1302,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
         *_query_and_key_tiles(q, dout, ck, cv, dq_tiles, block_d), row_tiles(out, dq_tiles.block_m, block_d),
         ck, lse, delta, *selection, _or_unread(document_start, lse), *memory_parts, dq, *head_strides(ck),
         *head_strides(dq), *geometry,
-        KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles),
+        KEYS_PER_BLOCK=_keys_per_block(geo), **meta, **_launch_meta(dq_tiles, q.device),
     )
     # Partials per query head and share of the rows, summed below over each group and
     # the shares: no atomics, deterministic.
@@ -1340,7 +1315,7 @@ def _attention_backward(dout, q, ck, cv, out, lse, geo: _Geometry, indices=None,
             *_query_and_key_tiles(q, dout, ck, cv, dkdv_tiles, block_d), lse, delta, *selection,
             _or_unread(document_end, lse), dk_part, dv_part, *geometry,
             BLOCK_J=_blocks_per_key_tile(dkdv_tiles.block_n, geo), **meta,
-            **_launch_meta(dkdv_tiles),
+            **_launch_meta(dkdv_tiles, q.device),
         )
     if memory_parts[0] is not lse:
         # dK / dV left the memory keys' rows 0.
@@ -1424,6 +1399,7 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None,
         SPLIT_HALF=q.dtype != torch.float32, Q_START_IN_MEMORY=in_memory,
         PARTIAL_OUTPUT=splits > 1, HAS_DOCS=document_start is not None,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **register_cap(q.device),
     )
     if splits > 1:
         # Rows of their own, not the scoring tile's: a decoding step's merge is one row.

@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from native_sparse_attention.kernels.launch import launch
 
-__all__ = ["NAMESPACE", "KERNEL_DTYPES", "cdiv", "next_power_of_2", "multiprocessors", "capability", "launcher_op",
+__all__ = ["NAMESPACE", "KERNEL_DTYPES", "cdiv", "next_power_of_2", "multiprocessors", "register_cap", "launcher_op",
            "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
            "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer", "cast_block",
            "column_sums", "dot_precision", "matmul_as"]
@@ -70,6 +70,30 @@ def capability(device: torch.device) -> tuple[int, int]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     properties = _properties(index)
     return properties.major, properties.minor
+
+
+# Registers per thread that the attention kernels ask ptxas for, by compute capability.
+# Left to itself, ptxas gives Triton 3.5's and 3.6's code for an A100 (8.0) as few as 32
+# registers a thread and spills the rest: in bf16 the compressed dQ and dK / dV spilled
+# 8-11 KB a thread at d = 64, half of their main loops' instructions local loads and stores
+# (dK / dV 1567 of 3009), and a decoding step's selection forward 10 KB at d = 128; in
+# float32 most attention kernels spilled 4 to 123 KB. Capped at 255, none spills more, in
+# bf16 or float32, at d = 64 or 128, and those far less (dK / dV 2.6 KB, 339 of its loop's
+# 1583 instructions): ptxas's counts for sm_80. The fewer registers would have bought at
+# most two or three times the programs per SM, the tiles' shared memory allowing no more.
+# The selection's key-major forward goes without: it spills nothing either way, and the
+# cap only raised its registers (162 -> 186). GPUs of 8.6 and 8.9 are left alone: ptxas
+# gives most kernels 255 there, and a cap moved the compressed dQ's spills from 1.3 to
+# 1.5 KB at d = 64. Triton 3.9 gives the compressed backward and the selection's forward
+# 255 registers on an A100 by itself. Unmeasured on an A100.
+_REGISTER_CAPS = {(8, 0): 255}
+
+
+def register_cap(device: torch.device) -> dict:
+    """The launch options (``maxnreg``) that cap an attention kernel's registers per thread
+    on ``device``, where ``_REGISTER_CAPS`` has a cap for it: ``{}`` elsewhere."""
+    cap = _REGISTER_CAPS.get(capability(device)) if device.type == "cuda" else None
+    return {} if cap is None else {"maxnreg": cap}
 
 
 # The launchers read any strides, and the fakes derive their outputs' layouts from the

@@ -158,7 +158,7 @@ from native_sparse_attention.kernels.attention_tiles import (
 )
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
-    capability, cdiv, dot_precision, launcher_op, next_power_of_2, position_in_memory, row_tiles, side_by_side,
+    cdiv, dot_precision, launcher_op, next_power_of_2, position_in_memory, register_cap, row_tiles, side_by_side,
     start_position,
 )
 from native_sparse_attention.kernels.selection_inverse import (
@@ -173,12 +173,6 @@ FEW_QUERIES = 16  # forwards of at most this many queries: see default_launch_co
 # Selections shared by at most this many query heads take their dQ from the dK / dV pass
 # (LaunchConfig.atomic_dq; measured in default_launch_config's docstring).
 ATOMIC_DQ_MAX_SHARED_HEADS = 8
-# The forward asks for up to this many registers per thread on GPUs of these compute
-# capabilities. On an A100 ptxas gives Triton 3.6's code for a decoding step's few-row
-# tiles at d = 128 (bf16) 32 registers a thread and spills 10 KB, 3.2 KB with the cap;
-# the forward's other variants get 255 with or without it (the compressed backward's
-# _REGISTER_CAPS has the story). Unmeasured on an A100: the compiler's counts.
-FORWARD_REGISTER_CAPS = {(8, 0): 255}
 # Training forwards of 2-byte selections shared by at most KEY_MAJOR_FORWARD_MAX_SHARED_HEADS
 # query heads, in blocks of at least KEY_MAJOR_FORWARD_MIN_BLOCK keys, run key-major from
 # KEY_MAJOR_FORWARD_MIN_QUERIES queries on (over the batch), up to d = 64 from twice as many
@@ -802,7 +796,8 @@ class LaunchConfig:
     ``window_dkv_kernel`` takes ``window_block_n`` keys and ``window_block_m`` query
     rows per step (at least the kv head's query heads, padded to a power of two).
     ``dkv_max_registers``: a cap on ``_dkv_kernel``'s registers per thread (None: the
-    compiler's choice), which sets how many of its programs an SM holds.
+    compiler's choice, or ``library.register_cap``'s on GPUs it caps), which sets how many
+    of its programs an SM holds.
     ``atomic_dq``: the backward computes the selection's dQ in the key-major dK / dV pass,
     adding each entry's rows atomically to a float32 buffer, instead of in a query-major
     pass that gathers every selected block's keys and values again (only without
@@ -1199,7 +1194,7 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
             HAS_DOCS=document_start is not None and window_tiles > 0,
             num_warps=num_warps,
             num_stages=num_stages,
-            **_forward_register_cap(q.device),
+            **register_cap(q.device),
         )
 
     window_tiles = problem.num_window_tiles(for_dq=False) if sliding else 0
@@ -1316,6 +1311,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
             HAS_DOCS=document_start is not None,
             num_warps=config.window_dq_warps,
             num_stages=config.window_dq_stages,
+            **register_cap(q.device),
         )
 
     def dq_launches():
@@ -1335,6 +1331,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
             DOT_PRECISION=precision,
             num_warps=config.dq_warps,
             num_stages=config.dq_stages,
+            **register_cap(q.device),
         )
 
     constexprs = problem.constexprs
@@ -1358,7 +1355,7 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
             M=max(config.dkv_rows, shared["ROWS_PER_ENTRY"]),
             num_warps=config.dkv_warps,
             num_stages=config.dkv_stages,
-            **({} if config.dkv_max_registers is None else {"maxnreg": config.dkv_max_registers}),
+            **(register_cap(q.device) if config.dkv_max_registers is None else {"maxnreg": config.dkv_max_registers}),
         )
     if atomic_dq:
         if sliding:
@@ -1387,18 +1384,13 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
             HAS_DOCS=document_end is not None,
             num_warps=config.window_warps,
             num_stages=config.window_stages,
+            **register_cap(q.device),
         )
     else:
         # Copies even in float32: the operator's outputs must not share the accumulators' storage.
         dk, dv = dk_acc.to(k.dtype, copy=True), dv_acc.to(v.dtype, copy=True)
     dsel = _empty((0,), q.dtype, q.device) if dsel is None else dsel.to(sel_scale.dtype)
     return dq, dk, dv, dsel, delta, _empty((0,), torch.float32, q.device) if swa_delta is None else swa_delta
-
-
-def _forward_register_cap(device: torch.device) -> dict:
-    """The forward's launch option ``maxnreg`` on ``device``, where FORWARD_REGISTER_CAPS has one."""
-    cap = FORWARD_REGISTER_CAPS.get(capability(device)) if device.type == "cuda" else None
-    return {} if cap is None else {"maxnreg": cap}
 
 
 def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, window: int | None,
