@@ -29,10 +29,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from native_sparse_attention.kernels.launch import launch
 
-__all__ = ["NAMESPACE", "KERNEL_DTYPES", "cdiv", "next_power_of_2", "multiprocessors", "register_cap", "launcher_op",
-           "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides", "unit_stride_last",
-           "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer", "cast_block",
-           "column_sums", "dot_precision", "matmul_as"]
+__all__ = ["NAMESPACE", "KERNEL_DTYPES", "cdiv", "next_power_of_2", "device_properties", "multiprocessors",
+           "register_cap", "launcher_op", "side_by_side", "is_tokens_major", "new_heads_tensor", "head_strides",
+           "unit_stride_last", "row_tiles", "position_in_memory", "start_position", "head_offset", "head_pointer",
+           "cast_block", "column_sums", "dot_precision", "matmul_as"]
 
 NAMESPACE = "native_sparse_attention"
 # The floating dtypes the elementwise kernels read and write.
@@ -55,20 +55,23 @@ def next_power_of_2(n: int) -> int:
 
 
 @functools.cache
-def _properties(index: int):
+def _properties_of(index: int):
     return torch.cuda.get_device_properties(index)
 
 
+def device_properties(device: torch.device):
+    """The CUDA ``device``'s properties, looked up once per device (a query: 1.8 us)."""
+    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def multiprocessors(device: torch.device) -> int:
-    """SMs of the CUDA ``device``, looked up once per device (a properties query: 1.8 us)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _properties(index).multi_processor_count
+    """SMs of the CUDA ``device``."""
+    return device_properties(device).multi_processor_count
 
 
 def capability(device: torch.device) -> tuple[int, int]:
-    """Compute capability (major, minor) of the CUDA ``device``, looked up once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    properties = _properties(index)
+    """Compute capability (major, minor) of the CUDA ``device``."""
+    properties = device_properties(device)
     return properties.major, properties.minor
 
 

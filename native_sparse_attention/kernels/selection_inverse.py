@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from native_sparse_attention.kernels.launch import launch
-from native_sparse_attention.kernels.library import cdiv
+from native_sparse_attention.kernels.library import cdiv, device_properties
 
 if TYPE_CHECKING:
     from native_sparse_attention.kernels.selection import _Problem
@@ -234,6 +234,6 @@ def orders_chunks(problem: _Problem, element_size: int, device: torch.device) ->
     them (the tests cover both orders)."""
     if device.type != "cuda":
         return True
-    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+    l2_bytes = getattr(device_properties(device), "L2_cache_size", 0)
     q_and_do_bytes = 2 * problem.batch * problem.query_heads * problem.seq_len * problem.head_dim * element_size
     return q_and_do_bytes > ORDERED_CHUNKS_MIN_L2_FILLS * l2_bytes
