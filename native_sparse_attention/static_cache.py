@@ -2,10 +2,12 @@
 
 A step of ``SparseAttentionCache`` decoding launches some 20 kernels whose shapes grow
 with the cache, and the host issuing them takes several times longer than their work. A
-``StaticSparseAttentionCache`` holds every buffer at its final size and the position in a
-device tensor: a step reads the position on the device (the Triton kernels, the rotary
-embedding, the writes into the buffers) and advances it in place, so the same launches
-serve every step and one captured graph replays them all (``capture_step``).
+``StaticSparseAttentionCache`` holds every buffer at its final size and each batch row's
+position in a device tensor: a step reads the positions on the device (the Triton
+kernels, the rotary embedding, the writes into the buffers) and advances them in place, so
+the same launches serve every step and one captured graph replays them all
+(``capture_step``). Rows need not share a position: ``cat_caches`` joins the caches of
+prompts of different lengths into one batch.
 
 Each step compresses the window that ends at its token, whether or not the window is
 complete, and writes the result to the window's row when it is and to a spare row
@@ -18,7 +20,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -30,7 +32,7 @@ from native_sparse_attention.selection import num_compressed_blocks
 if TYPE_CHECKING:
     from native_sparse_attention.sparse_attention import SparseAttention, SparseAttentionCache
 
-__all__ = ["StaticSparseAttentionCache", "capture_step", "static_cache", "static_step"]
+__all__ = ["StaticSparseAttentionCache", "capture_step", "cat_caches", "static_cache", "static_step"]
 
 T = TypeVar("T")
 
@@ -40,7 +42,8 @@ class StaticSparseAttentionCache:
     """Decoding state of one ``SparseAttention`` layer in fixed-size buffers that each step
     updates in place.
 
-    position: [1] int64, the number of tokens cached (the next token's position);
+    position: [b] int64, each batch row's number of tokens cached (its next token's
+    position);
     keys (rotary applied), values: [b, hk, capacity, d], rows ``>= position`` unused;
     compressed_keys, compressed_values: [b, hk, num_mem + windows + 1, d]: the memory
     key/values, then one row per compression window that fits in ``capacity`` tokens,
@@ -102,7 +105,7 @@ def static_cache(layer: SparseAttention, cache: SparseAttentionCache, capacity: 
     recent_keys[:, :, buffered] = cache.buffer_keys
     recent_values[:, :, buffered] = cache.buffer_values
     return StaticSparseAttentionCache(
-        position=torch.tensor([seq_len], dtype=torch.int64, device=device),
+        position=torch.full((b,), seq_len, dtype=torch.int64, device=device),
         keys=buffer(capacity, cache.keys),
         values=buffer(capacity, cache.values),
         compressed_keys=compressed_keys,
@@ -112,10 +115,35 @@ def static_cache(layer: SparseAttention, cache: SparseAttentionCache, capacity: 
     )
 
 
+def cat_caches(caches: Sequence[StaticSparseAttentionCache]) -> StaticSparseAttentionCache:
+    """One cache whose batch rows are those of ``caches`` in order, each row keeping its
+    position: the layer's cache for a batch of prompts of different lengths, each
+    prefilled alone (``Transformer.sample`` does this for a model). The caches must be of
+    one layer, with the same capacity, dtype and device."""
+    if not isinstance(caches, Sequence) or not caches:
+        raise TypeError("caches must be a non-empty sequence of StaticSparseAttentionCache")
+    for index, cache in enumerate(caches):
+        if not isinstance(cache, StaticSparseAttentionCache):
+            raise TypeError(f"caches[{index}] must be a StaticSparseAttentionCache, got {type(cache).__name__}")
+    first = caches[0]
+    for index, cache in enumerate(caches[1:], start=1):
+        for name in ("keys", "compressed_keys", "recent_keys"):
+            mine, theirs = getattr(cache, name), getattr(first, name)
+            if (mine.shape[1:], mine.dtype, mine.device) != (theirs.shape[1:], theirs.dtype, theirs.device):
+                raise ValueError(
+                    f"caches[{index}].{name} is {tuple(mine.shape)} {mine.dtype} on {mine.device}, but caches[0]."
+                    f"{name} is {tuple(theirs.shape)} {theirs.dtype} on {theirs.device}: the caches must be of one "
+                    "layer, with one capacity"
+                )
+    return StaticSparseAttentionCache(**{
+        field.name: torch.cat([getattr(cache, field.name) for cache in caches]) for field in fields(first)
+    })
+
+
 def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAttentionCache) -> torch.Tensor:
-    """One decoding step: x: [b, 1, dim] at position ``cache.position`` -> [b, 1, dim];
-    writes the token into ``cache`` and advances its position. A step past the capacity
-    fails a device-side index check."""
+    """One decoding step: x: [b, 1, dim], each row at its position ``cache.position[row]``
+    -> [b, 1, dim]; writes the tokens into ``cache`` and advances the positions. A step
+    past the capacity fails a device-side index check."""
     from native_sparse_attention.kernels.compressed import compressed_attend_and_select_at
     from native_sparse_attention.kernels.rotary import rotate_at
     from native_sparse_attention.kernels.selection import selection_attention_at
@@ -153,9 +181,10 @@ def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) 
     from native_sparse_attention.kernels.cache_write import write_compressed_row, write_ring_and_read_window
 
     position, dtype = cache.position, cache.keys.dtype
-    # index_copy_ checks the position against the capacity on the device.
-    cache.keys.index_copy_(2, position, rk.to(dtype))
-    cache.values.index_copy_(2, position, v.to(dtype))
+    # scatter_ checks the positions against the capacity on the device.
+    rows = position.view(-1, 1, 1, 1).expand_as(rk)
+    cache.keys.scatter_(2, rows, rk.to(dtype))
+    cache.values.scatter_(2, rows, v.to(dtype))
     recent_k = write_ring_and_read_window(position, k, cache.recent_keys)
     recent_v = write_ring_and_read_window(position, v, cache.recent_values)
     new_ck, new_cv = layer._compress_windows(recent_k, recent_v)

@@ -109,7 +109,7 @@ def _direct_calls() -> None:
     apply_rotary(heads, inv_freq).float().sum().backward()
     qkv = torch.randn(2, 8, (4 + 2 * 2) * 32 + 8, dtype=dtype, requires_grad=True)
     sum(t.float().sum() for t in split_heads_and_rotate(qkv, 4, 2, inv_freq)).backward()
-    position, token = torch.tensor([5]), torch.randn(2, 2, 1, 32, dtype=dtype)
+    position, token = torch.tensor([5, 9]), torch.randn(2, 2, 1, 32, dtype=dtype)
     write_ring_and_read_window(position, token, torch.zeros(2, 2, 8, 32, dtype=dtype))
     write_compressed_row(position, token, torch.zeros(2, 2, 6, 32, dtype=dtype), 1, 4, 2)
     # One query on one kv head: few programs, so the key tiles and selection blocks split.

@@ -330,7 +330,7 @@ def check_continuation(b, hq, hk, n, d, cbs, stride, num_mem, sbs, top, causal, 
         if position_on_device:
             assert causal
             out, selection = compressed.compressed_attend_and_select_at(
-                q, ck, cv, torch.tensor([offset], device=DEVICE), cbs, stride, num_mem, sbs, top,
+                q, ck, cv, torch.full((b,), offset, device=DEVICE), cbs, stride, num_mem, sbs, top,
                 share_selection=share,
             )
             lse = None
@@ -374,25 +374,29 @@ def test_queries_continuing_a_sequence_match_reference(case):
 
 @pytest.mark.parametrize("share", [True, False])
 def test_position_read_on_the_device_matches_q_offset(share):
-    """The entry point of CUDA-graph decoding: the position comes from a device tensor and
-    ck, cv hold spare rows past the compressed keys (finite garbage), which the causal mask
-    must hide."""
-    b, hq, hk, n, d, cbs, stride, num_mem, sbs, top = 2, 4, 2, 90, 16, 8, 4, 1, 16, 3
+    """The entry point of CUDA-graph decoding: each batch row's position comes from a
+    device tensor (the rows of a batch may decode at different positions), and ck, cv hold
+    spare rows past the compressed keys (finite garbage), which the causal mask must
+    hide."""
+    b, hq, hk, n, d, cbs, stride, num_mem, sbs, top = 3, 4, 2, 90, 16, 8, 4, 1, 16, 3
     q, ck, cv = make_inputs(b, hq, hk, n, d, cbs, stride, num_mem, torch.float32, seed=9)
     spare = torch.randn(b, hk, 7, d, generator=torch.Generator().manual_seed(10)).to(DEVICE)
-    for offset in (n - 1, n - 3):
-        queries = q[:, :, offset:offset + 1]
-        expected_out, _, expected = compressed_attend_and_select(
-            queries, ck, cv, cbs, stride, num_mem, sbs, top, share_selection=share, q_offset=offset
-        )
+    for offsets in ((n - 1, n - 1, n - 1), (n - 3, 40, n - 1)):
+        queries = torch.stack([q[row, :, offset] for row, offset in enumerate(offsets)])[:, :, None]
         out, selection = compressed.compressed_attend_and_select_at(
             queries, torch.cat((ck, spare), 2), torch.cat((cv, spare), 2),
-            torch.tensor([offset], device=DEVICE), cbs, stride, num_mem, sbs, top, share_selection=share,
+            torch.tensor(offsets, device=DEVICE), cbs, stride, num_mem, sbs, top, share_selection=share,
         )
-        torch.testing.assert_close(out, expected_out, atol=1e-6, rtol=1e-6)
-        assert torch.equal(selection.mask, expected.mask)
-        assert torch.equal(selection.indices, expected.indices)
-        torch.testing.assert_close(selection.scores, expected.scores, atol=1e-6, rtol=1e-6)
+        for row, offset in enumerate(offsets):
+            rows = slice(row, row + 1)
+            expected_out, _, expected = compressed_attend_and_select(
+                queries[rows], ck[rows], cv[rows], cbs, stride, num_mem, sbs, top, share_selection=share,
+                q_offset=offset,
+            )
+            torch.testing.assert_close(out[rows], expected_out, atol=1e-6, rtol=1e-6)
+            assert torch.equal(selection.mask[rows], expected.mask)
+            assert torch.equal(selection.indices[rows], expected.indices)
+            torch.testing.assert_close(selection.scores[rows], expected.scores, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("splits", [2, 5])

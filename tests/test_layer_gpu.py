@@ -260,7 +260,7 @@ def _decode_static(layer, x, prefill_len, capacity):
     outputs = [out]
     for t in range(prefill_len, x.shape[1]):
         outputs.append(layer(x[:, t:t + 1], cache=cache))
-    assert cache.position.item() == x.shape[1]
+    assert cache.position.tolist() == [x.shape[1]] * x.shape[0]
     return torch.cat(outputs, dim=1)
 
 
@@ -345,6 +345,53 @@ def test_odd_configurations_match_pytorch_path_interpreted(monkeypatch, config):
 
 
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+def test_joined_static_caches_decode_each_row_at_its_own_position_interpreted(monkeypatch):
+    """Rows prefilled alone to different lengths (13, 5 and 22 tokens: complete and
+    incomplete compression windows, selection blocks of their own) and joined by
+    ``cat_caches`` decode together: each row's outputs are the PyTorch path's at its own
+    positions."""
+    from native_sparse_attention.static_cache import cat_caches
+
+    torch.manual_seed(8)
+    fast, reference = _sharpened_pair(monkeypatch, SMALL_CONFIG, causal=True, num_compressed_mem_kv=2)
+    lengths, steps = (13, 5, 22), 6
+    x = torch.randn(len(lengths), 34, SMALL_CONFIG["dim"])
+    with torch.no_grad():
+        expected = reference(x)
+        caches = []
+        for row, length in enumerate(lengths):
+            _, cache = fast(x[row:row + 1, :length], return_cache=True)
+            caches.append(fast.static_cache(cache, 30))
+        static = cat_caches(caches)
+        assert static.position.tolist() == list(lengths)
+        outputs = []
+        for t in range(steps):
+            tokens = torch.stack([x[row, length + t] for row, length in enumerate(lengths)])[:, None]
+            outputs.append(fast(tokens, cache=static))
+    assert static.position.tolist() == [length + steps for length in lengths]
+    decoded = torch.cat(outputs, dim=1)
+    for row, length in enumerate(lengths):
+        assert _relative_error(decoded[row], expected[row, length:length + steps]) < 1e-5
+
+
+@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+def test_cat_caches_rejects_caches_of_other_shapes():
+    from native_sparse_attention.static_cache import cat_caches
+
+    layer = SparseAttention(**SMALL_CONFIG, causal=True, use_triton_kernel=True)
+    with torch.no_grad():
+        _, cache = layer(torch.randn(1, 9, SMALL_CONFIG["dim"]), return_cache=True)
+    static = layer.static_cache(cache, 16)
+    assert cat_caches([static]).position.tolist() == [9]
+    with pytest.raises(ValueError, match="one capacity"):
+        cat_caches([static, layer.static_cache(cache, 20)])
+    with pytest.raises(TypeError, match=r"caches\[1\] must be a StaticSparseAttentionCache"):
+        cat_caches([static, cache])
+    with pytest.raises(TypeError, match="non-empty sequence"):
+        cat_caches([])
+
+
+@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
 def test_static_cache_rejects_what_it_cannot_decode(monkeypatch):
     layer = SparseAttention(**SMALL_CONFIG, causal=True)
     with torch.no_grad():
@@ -389,7 +436,7 @@ def test_cuda_graph_decoding_matches_pytorch_path(share):
             step_input.copy_(x[:, t:t + 1])
             graph.replay()
             outputs.append(step_output.clone())
-    assert static.position.item() == prefill + steps
+    assert static.position.tolist() == [prefill + steps]
     graphed = torch.cat(outputs, dim=1)
     assert _relative_error(graphed, expected) < 1e-2
     with torch.no_grad():

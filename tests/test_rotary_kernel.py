@@ -59,12 +59,15 @@ def check_against_float64(b, h, n, d, offset, dtype, seed=0):
     torch.testing.assert_close(t.grad.double(), t64.grad, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("offset", [5, 40_000])
-def test_rotation_at_a_position_read_on_the_device(offset):
+@pytest.mark.parametrize("offsets", [(5, 5), (5, 40_000)])
+def test_rotation_at_a_position_read_on_the_device(offsets):
+    """Each batch row at the position it reads from the device."""
     t = projected_heads(2, 3, 1, 16, torch.float32, seed=4)
     rotary = RotaryEmbedding(16).to(DEVICE)
-    out = rotary_kernels.rotate_at(t, rotary.inv_freq, torch.tensor([offset], device=DEVICE))
-    torch.testing.assert_close(out, apply_rotary(t, rotary.inv_freq, offset), atol=0, rtol=0)
+    out = rotary_kernels.rotate_at(t, rotary.inv_freq, torch.tensor(offsets, device=DEVICE))
+    for row, offset in enumerate(offsets):
+        torch.testing.assert_close(out[row:row + 1], apply_rotary(t[row:row + 1], rotary.inv_freq, offset),
+                                   atol=0, rtol=0)
 
 
 def test_gradient_keeps_the_input_order_of_heads_and_tokens():

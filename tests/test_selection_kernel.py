@@ -369,22 +369,33 @@ def test_queries_continuing_a_sequence_match_reference(case, q_offset, monkeypat
                                              CONTINUATIONS["decode_step_group16_fp16"]],
                          ids=["group3", "group16_fp16"])
 def test_position_read_on_the_device_matches_q_offset(case, q_offset):
-    """The entry point of CUDA-graph decoding: the position comes from a device tensor, and
-    k, v hold spare rows past the queries (finite garbage), which causality must hide."""
-    q, k, v, indices, fmask, _ = make_inputs(case, seed=8)
-    q, indices, fmask = q[:, :, q_offset:].detach(), indices[:, :, q_offset:], fmask[:, :, q_offset:]
+    """The entry point of CUDA-graph decoding: each batch row's position comes from a
+    device tensor (the rows of a batch may decode at different positions: here the last
+    token and one 7 earlier), and k, v hold spare rows past the queries (finite garbage),
+    which causality must hide."""
+    q, k, v, indices, fmask, _ = make_inputs(replace(case, b=2), seed=8)
+    offsets = (q_offset, q_offset - 7)
+
+    def at_offsets(t):
+        return torch.stack([t[row, :, offset] for row, offset in enumerate(offsets)])[:, :, None]
+
+    q, indices, fmask = at_offsets(q.detach()), at_offsets(indices), at_offsets(fmask)
     k, v = k.detach(), v.detach()
-    with torch.no_grad():
-        expected = native_sparse_attend(q, k, v, case.block_size, indices, fmask, return_sliding_window_out=True,
-                                        sliding_window_size=case.window, q_offset=q_offset)
     spare = torch.randn(k.shape[0], k.shape[1], 9, k.shape[3], generator=torch.Generator().manual_seed(3))
     spare = spare.to(DEVICE, k.dtype)
     outputs = selection_kernels.selection_attention_at(
         q, torch.cat((k, spare), 2), torch.cat((v, spare), 2), case.block_size, indices, fmask, case.window,
-        q.shape[-1] ** -0.5, torch.tensor([q_offset], device=DEVICE),
+        q.shape[-1] ** -0.5, torch.tensor(offsets, device=DEVICE),
     )
-    for actual, wanted in zip(outputs, expected):
-        torch.testing.assert_close(actual, wanted, atol=0, rtol=0)
+    for row, offset in enumerate(offsets):
+        rows = slice(row, row + 1)
+        with torch.no_grad():
+            keys, values = k[rows, :, :offset + 1], v[rows, :, :offset + 1]
+            expected = native_sparse_attend(q[rows], keys, values, case.block_size, indices[rows], fmask[rows],
+                                            return_sliding_window_out=True, sliding_window_size=case.window,
+                                            q_offset=offset)
+        for actual, wanted in zip(outputs, expected):
+            torch.testing.assert_close(actual[rows], wanted, atol=0, rtol=0)
 
 
 def test_query_offset_refuses_gradients():

@@ -3,7 +3,8 @@
 Notation
 --------
 Z: batch size, H: kv heads, D: head dim, padded to the power of two BLOCK_D.
-POSITION: one-element int64 tensor, the step token's position, read on the device.
+POSITION: ``[Z]`` int64, each batch row's step token position, read on the device (rows
+that decode prompts of different lengths sit at different positions).
 WINDOW: tokens per compression window (the layer's compress_block_size), which is also
 the length of the ring RECENT_K / RECENT_V ``[Z, H, WINDOW, D]`` that holds the latest
 tokens, token t in slot ``t % WINDOW``; BLOCK_W: WINDOW padded to a power of two.
@@ -46,7 +47,7 @@ def _ring_window_kernel(
     # WINDOW_OUT: [Z, H, WINDOW, D], contiguous. One program per (z, h).
     zh = tl.program_id(0)
     z, h = zh // H, zh % H
-    position = tl.load(POSITION)
+    position = tl.load(POSITION + z)
     offs_w = tl.arange(0, BLOCK_W)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -76,7 +77,7 @@ def _compressed_row_kernel(
     # NEW: [Z, H, 1, D]; BUFFER: [Z, H, SPARE_ROW + 1, D] (unit stride on D for both).
     zh = tl.program_id(0)
     z, h = zh // H, zh % H
-    start = tl.load(POSITION) + 1 - WINDOW
+    start = tl.load(POSITION + z) + 1 - WINDOW
     row = NUM_MEM + start // STRIDE
     # Past the capacity a window's row would lie beyond the buffer: the spare row then.
     complete = (start >= 0) & (start % STRIDE == 0) & (row < SPARE_ROW)
@@ -94,9 +95,9 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def write_ring_and_read_window(position: torch.Tensor, new: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
-    """Writes ``new: [b, h, 1, d]``, the token at ``position``, into ``ring: [b, h, window,
-    d]`` (slot ``position % window``) and returns the window ending at it, oldest token
-    first: ``[b, h, 1, window, d]`` in the ring's dtype."""
+    """Writes ``new: [b, h, 1, d]``, the token at ``position: [b]`` (int64, each row's),
+    into ``ring: [b, h, window, d]`` (slot ``position % window``) and returns the window
+    ending at it, oldest token first: ``[b, h, 1, window, d]`` in the ring's dtype."""
     b, h, window, d = ring.shape
     assert new.shape == (b, h, 1, d) and new.stride(-1) == 1 and ring.stride(-1) == 1
     out = _empty((b, h, 1, window, d), ring.dtype, ring.device)
@@ -110,9 +111,9 @@ def write_ring_and_read_window(position: torch.Tensor, new: torch.Tensor, ring: 
 
 def write_compressed_row(position: torch.Tensor, new: torch.Tensor, buffer: torch.Tensor, num_mem: int,
                          window: int, stride: int) -> None:
-    """Writes ``new: [b, h, 1, d]``, the compression of the window ending at ``position``,
-    into ``buffer: [b, h, rows, d]``: row ``num_mem + first_token // stride`` when the
-    window is complete, the last (spare) row otherwise."""
+    """Writes ``new: [b, h, 1, d]``, the compression of the window ending at ``position:
+    [b]`` (int64, each row's), into ``buffer: [b, h, rows, d]``: row ``num_mem +
+    first_token // stride`` when the window is complete, the last (spare) row otherwise."""
     b, h, rows, d = buffer.shape
     assert new.shape == (b, h, 1, d) and new.stride(-1) == 1 and buffer.stride(-1) == 1
     launch(_compressed_row_kernel, (b * h,),

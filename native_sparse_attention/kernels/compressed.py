@@ -6,8 +6,8 @@ Q: queries ``[Z, HQ, M, D]``; K, V: compressed keys / values ``[Z, HKV, N, D]``;
 OUT: ``[Z, HQ, M, D]``; LSE: natural log-sum-exp of the scaled logits, ``[Z, HQ, M]`` fp32.
 Z: batch size. HQ, HKV: query / key-value heads. GQA_SHARED_HEADS = HQ // HKV query heads
 read one kv head. M: query length; query row ``r`` sits at token position ``Q_START + r``
-(``Q_START`` > 0 only in the forward kernels: decoding steps and prefills that continue a
-cache).
+(``Q_START`` > 0 only in the forward kernels: decoding steps, which read it on the device
+per batch row, and prefills that continue a cache).
 N = NUM_MEM + NC keys: NUM_MEM learned memory keys (seen by every query), then NC
 compressed keys. D: head dim (HEAD_DIM), padded to the power of two BLOCK_D.
 CBS, STRIDE: compressed key ``c`` summarises tokens ``[c * STRIDE, c * STRIDE + CBS)``.
@@ -313,9 +313,9 @@ def _attention_fwd_kernel(
     # query tile's key tiles. With PARTIAL_OUTPUT it leaves its normalised output and
     # LSE in PARTIAL_OUT [splits, Z * HQ, M, D] and PARTIAL_LSE [splits, Z * HQ, M]
     # (float32) for _merge_partial_outputs_kernel.
-    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     zh = tl.program_id(0)
     z, h = zh // HQ, zh % HQ
+    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY, z)
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     kv_head = h // GQA_SHARED_HEADS
 
@@ -918,9 +918,9 @@ def _select_blocks_kernel(
     # scores the split-th of tl.num_programs(2) shares of the chunks of selection blocks;
     # with PARTIAL_OUTPUT it leaves its top in PARTIAL_TOP [splits, Z * HS, M, TOPN_PAD] for
     # _merge_partial_tops_kernel (the shares hold disjoint blocks, so keys stay unique).
-    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     zs = tl.program_id(0)
     z, hs = zs // HS, zs % HS
+    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY, z)
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
     NC = N - NUM_MEM
     first_head = hs * HEADS_PER_SELECTION
@@ -1192,8 +1192,8 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
                        document_start: torch.Tensor | None = None):
     """q: [b, hq, n, d], ck, cv: [b, hk, N, d] -> (out [b, hq, n, d], lse [b, hq, n] fp32).
 
-    ``position``: a one-element int64 device tensor holding the position of query row 0,
-    read by the kernel in place of ``geo.q_offset``. ``document_start``: [b, n] int32
+    ``position``: a ``[b]`` int64 device tensor holding each batch row's position of query
+    row 0, read by the kernel in place of ``geo.q_offset``. ``document_start``: [b, n] int32
     contiguous when the rows pack documents (no ``position``, ``q_offset`` 0)."""
     b, hq, n, d = q.shape
     hk, num_keys = ck.shape[1], ck.shape[2]
@@ -1689,9 +1689,9 @@ def compressed_attend_and_select_at(
     share_selection: bool = True,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, BlockSelection]:
-    """``compressed_attend_and_select`` of causal queries at the position that the
-    one-element int64 tensor ``position`` holds, read on the device: a step that a CUDA
-    graph replays. Forward only, on the kernels (CUDA, or ``TRITON_INTERPRET=1``), for
+    """``compressed_attend_and_select`` of causal queries at the positions that the int64
+    tensor ``position: [b]`` holds (each batch row's first query), read on the device: a
+    step that a CUDA graph replays. Forward only, on the kernels (CUDA, or ``TRITON_INTERPRET=1``), for
     inputs the caller has validated.
 
     q: [b, hq, m, d]; ck, cv: [b, hk, num_mem + capacity, d], whose compressed keys past

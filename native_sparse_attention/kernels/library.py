@@ -324,19 +324,20 @@ def column_sums(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def start_position(START, START_PTR, IN_MEMORY: tl.constexpr):
-    """A kernel's first position: ``START``, or with ``IN_MEMORY`` the int64 that
-    ``START_PTR`` points to, which a replayed CUDA graph reads anew every step."""
+def start_position(START, START_PTR, IN_MEMORY: tl.constexpr, z):
+    """Batch row ``z``'s first position: ``START``, or with ``IN_MEMORY`` element ``z`` of
+    the int64 ``[Z]`` that ``START_PTR`` points to, which a replayed CUDA graph reads anew
+    every step (the rows of a batch decoding prompts of different lengths)."""
     start = START
     if IN_MEMORY:
-        start = tl.load(START_PTR).to(tl.int32)
+        start = tl.load(START_PTR + z).to(tl.int32)
     return start
 
 
 def position_in_memory(position: int | torch.Tensor, fallback: torch.Tensor) -> tuple[int, torch.Tensor, bool]:
     """``start_position``'s (START, START_PTR, IN_MEMORY) for ``position``: an int, or a
-    one-element int64 tensor on the kernel's device. ``fallback`` is any tensor, passed
-    as the pointer that goes unread."""
+    contiguous ``[b]`` int64 tensor on the kernel's device, one position per batch row.
+    ``fallback`` is any tensor, passed as the pointer that goes unread."""
     if isinstance(position, torch.Tensor):
         return 0, position, True
     return position, fallback, False

@@ -104,11 +104,11 @@ def _rotary_kernel(
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
     HEADS: tl.constexpr, INVERSE: tl.constexpr, OFFSET_IN_MEMORY: tl.constexpr,
 ):
-    offset = start_position(offset, OFFSET_PTR, OFFSET_IN_MEMORY)
     n_start = tl.program_id(0) * BLOCK_N
     head_groups = tl.cdiv(H, HEADS)
     z = tl.program_id(1) // head_groups
     h_start = tl.program_id(1) % head_groups * HEADS
+    offset = start_position(offset, OFFSET_PTR, OFFSET_IN_MEMORY, z)
     cos, sin = _cos_sin(INV_FREQ, offset, n_start, BLOCK_N, BLOCK_HALF, HALF, INVERSE)
     for h in range(h_start, tl.minimum(h_start + HEADS, H)):
         src, mask = _half_rows(z, h, n_start, stride_tz, stride_th, stride_tn, stride_td, N,
@@ -245,7 +245,7 @@ def _rotate(t: torch.Tensor, inv_freq: torch.Tensor, offset: int, inverse: bool,
 
 def _launch_rotary(t: torch.Tensor, inv_freq: torch.Tensor, offset: int | torch.Tensor, inverse: bool,
                    tokens_major: bool) -> torch.Tensor:
-    """``_rotate``, with ``offset`` an int or a one-element int64 device tensor."""
+    """``_rotate``, with ``offset`` an int or a ``[b]`` int64 device tensor (each row's)."""
     b, h, n, d = t.shape
     out = new_heads_tensor(t, tokens_major, lambda shape: _empty(shape, t.dtype, t.device))
     if out.numel() == 0:
@@ -261,10 +261,10 @@ def _launch_rotary(t: torch.Tensor, inv_freq: torch.Tensor, offset: int | torch.
 
 
 def rotate_at(t: torch.Tensor, inv_freq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary`` at the positions ``position ..``, where ``position`` is a
-    one-element int64 device tensor read on the device (a step that a CUDA graph replays).
-    Forward only, for inputs the caller has validated: t: [b, h, n, d], inv_freq: [d / 2]
-    float32 -> contiguous [b, h, n, d]."""
+    """``apply_rotary`` of each batch row at the positions ``position[row] ..``, where
+    ``position: [b]`` is an int64 device tensor read on the device (a step that a CUDA
+    graph replays). Forward only, for inputs the caller has validated: t: [b, h, n, d],
+    inv_freq: [d / 2] float32 -> contiguous [b, h, n, d]."""
     return _launch_rotary(t, inv_freq, position, inverse=False, tokens_major=False)
 
 

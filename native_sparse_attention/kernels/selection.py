@@ -8,8 +8,9 @@ Q: query, K: key, V: value, O: output, DO: gradient of O, LSE: natural-log log-s
 Z: batch size, HQ: query heads, HKV: kv heads, HS: selection heads (HKV or HQ)
 N: sequence length (queries and keys alike), D: head dim
 M, Q_START (forward only): queries and the position of the first; query row r sits at
-    position Q_START + r, and the keys at 0 .. N - 1 (Q_START + M <= N). The backward
-    takes M = N and Q_START = 0.
+    position Q_START + r, and the keys at 0 .. N - 1 (Q_START + M <= N). A decoding step
+    reads Q_START on the device, one per batch row. The backward takes M = N and
+    Q_START = 0.
 D_PAD: D rounded up to a power of two (at least 16); the padded columns are masked
 GQA_SHARED_HEADS: query heads per kv head (HQ // HKV)
 SEL_SHARED_HEADS: query heads that share one selection row (HQ // HS, so GQA_SHARED_HEADS
@@ -309,9 +310,9 @@ def _fwd_kernel(
     compressed branch's OUT_C and the selection's O (``window_forward``). HAS_DOCS: the
     window tiles keep to the documents of DOC_START [Z, M]; the selection needs no mask,
     its blocks lying in the query's document."""
-    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY)
     pid = tl.program_id(0)
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
+    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY, z)
     scale2 = sm_scale * LOG2E
     if pid < NUM_WINDOW_TILES:
         if SLIDING:
@@ -1147,8 +1148,8 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
     ``table``: the selection's inversion, which a key-major forward reads.
     ``document_start``: see ``_launch_forward``.
 
-    ``position``: a one-element int64 device tensor holding the position of query row 0,
-    read by the kernel in place of ``problem.q_offset``.
+    ``position``: a ``[b]`` int64 device tensor holding each batch row's position of query
+    row 0, read by the kernel in place of ``problem.q_offset``.
     ``gates`` [3, b, hq, n] and ``compressed_out`` (contiguous [b, hq, n, d]): where
     ``_folds_gates``, ``merged`` is the layer's gated sum [b, n, hq * d]; else empty."""
     b, hq, n, d = problem.batch, problem.query_heads, problem.seq_len, problem.head_dim
@@ -1599,9 +1600,10 @@ def selection_attention_at(
     scale: float,
     position: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal selected and sliding-window attention of queries at the position that the
-    one-element int64 tensor ``position`` holds, read on the device: a step that a CUDA
-    graph replays. Forward only, for inputs the caller has validated.
+    """Causal selected and sliding-window attention of queries at the positions that the
+    int64 tensor ``position: [b]`` holds (each batch row's first query), read on the
+    device: a step that a CUDA graph replays. Forward only, for inputs the caller has
+    validated.
 
     q: [b, hq, m, d]; k, v: [b, hk, capacity, d], whose keys past the queries may hold
     anything; selected_block_indices, fmask: [b, hs, m, sel]. Returns (out, sliding_out),
