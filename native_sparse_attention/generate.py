@@ -4,12 +4,15 @@ Command line (a checkpoint, or the latest one of a run directory)::
 
     python -m native_sparse_attention.generate --checkpoint runs/enwik8-sparse \\
         --prompt "The history of " --length 512
+    python -m native_sparse_attention.generate --checkpoint runs/enwik8-sparse \\
+        --prompt "The history of " --prompt "In 1905, " --length 256 --samples 2
 
 prints the prompt followed by what the model writes after it, byte by byte as it is drawn
-(with ``--samples`` above 1, each continuation once all are done). Decoding runs one byte
-per step through the layers' caches; on CUDA, with sparse layers on the Triton kernels, each
-step replays from a CUDA graph (``Transformer.sample``). Invalid arguments end the
-program with one line on stderr and exit code 2.
+(with ``--samples`` above 1, or several ``--prompt``, each continuation once all are
+done). Decoding runs one byte per step through the layers' caches, every prompt's samples
+in one batch whatever the prompts' lengths (``generate``); on CUDA, with sparse layers on
+the Triton kernels, each step replays from a CUDA graph (``Transformer.sample``). Invalid
+arguments end the program with one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -32,22 +35,36 @@ from native_sparse_attention.transformer import Transformer, autocast
 __all__ = ["generate", "main"]
 
 
-def generate(model: Transformer, prompt: bytes, length: int, *, samples: int = 1, temperature: float = 1.0,
-             filter_thres: float = 0.9, seed: int = 0, use_cuda_graph: bool = False,
+def generate(model: Transformer, prompt: bytes | Sequence[bytes], length: int, *, samples: int = 1,
+             temperature: float = 1.0, filter_thres: float = 0.9, seed: int = 0, use_cuda_graph: bool = False,
              on_bytes: Callable[[list[int]], None] | None = None) -> list[bytes]:
-    """``samples`` continuations of ``prompt``, ``length`` bytes each, from ``model`` on its
-    device (bf16 autocast on CUDA). The same seed gives the same bytes on the same device;
-    the caller's random state is left as it was. ``on_bytes`` receives each step's byte of
-    every sample as it is drawn."""
+    """``samples`` continuations of ``prompt``, or of each of several prompts, ``length``
+    bytes each, from ``model`` on its device (bf16 autocast on CUDA): every prompt's
+    samples in turn. Prompts of one length decode as one batch, and so do prompts of
+    different lengths on CUDA where the sparse layers run on the Triton kernels; elsewhere
+    each prompt's samples are a batch of their own. The same seed gives the same bytes on
+    the same device; the caller's random state is left as it was. ``on_bytes`` receives
+    each step's byte of every sample of the batch as it is drawn."""
+    prompts = [prompt] if isinstance(prompt, bytes) else list(prompt)
     device = next(model.parameters()).device
-    ids = torch.tensor(list(prompt), dtype=torch.long, device=device).repeat(samples, 1)
+    rows = [torch.tensor(list(p), dtype=torch.long, device=device) for p in prompts for _ in range(samples)]
+    options = dict(temperature=temperature, filter_thres=filter_thres, use_cache_kv=True,
+                   use_cuda_graph=use_cuda_graph,
+                   on_token=None if on_bytes is None else lambda tokens: on_bytes(tokens.tolist()))
     # manual_seed seeds every GPU, so every GPU's state is put back.
     gpus = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
     with torch.random.fork_rng(devices=gpus), autocast(device):
         torch.manual_seed(seed)
-        generated = model.sample(ids, ids.shape[1] + length, temperature=temperature, filter_thres=filter_thres,
-                                 use_cache_kv=True, use_cuda_graph=use_cuda_graph,
-                                 on_token=None if on_bytes is None else lambda tokens: on_bytes(tokens.tolist()))
+        if len({len(p) for p in prompts}) == 1:
+            batches = [torch.stack(rows)]
+        elif device.type == "cuda" and model.has_graphable_decoding():
+            batches = [rows]
+        else:
+            batches = [torch.stack(rows[start:start + samples]) for start in range(0, len(rows), samples)]
+        generated = []
+        for batch in batches:
+            final_lengths = [len(row) + length for row in batch]
+            generated += model.sample(batch, final_lengths if isinstance(batch, list) else final_lengths[0], **options)
     return [bytes(row.tolist()) for row in generated]
 
 
@@ -56,8 +73,10 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
         "generate", "Continue a text with a train.py checkpoint and print the prompt and its continuation."
     )
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="text to continue (its UTF-8 bytes are the tokens)")
-    prompt.add_argument("--prompt-file", type=Path, help="file whose bytes are the text to continue")
+    prompt.add_argument("--prompt", action="append", help="text to continue (its UTF-8 bytes are the tokens); "
+                        "repeat it for several prompts, decoded as one batch")
+    prompt.add_argument("--prompt-file", type=Path, action="append", help="file whose bytes are the text to "
+                        "continue; repeat it for several prompts")
     parser.add_argument("--length", type=int, default=256, help="bytes to generate (default: 256)")
     parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch "
                         "(default: 1)")
@@ -86,13 +105,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(f"--filter-thres must be in [0, 1), got {args.filter_thres}")
     device = resolve_device(parser, args.device)
     if args.prompt_file is not None:
-        try:
-            prompt = args.prompt_file.read_bytes()
-        except OSError as error:
-            fail(f"could not read --prompt-file: {error.strerror}: {args.prompt_file}")
+        prompts = []
+        for path in args.prompt_file:
+            try:
+                prompts.append(path.read_bytes())
+            except OSError as error:
+                fail(f"could not read --prompt-file: {error.strerror}: {path}")
     else:
-        prompt = os.fsencode(args.prompt)  # the bytes given, even those that are not UTF-8
-    if not prompt:
+        prompts = [os.fsencode(text) for text in args.prompt]  # the bytes given, even those that are not UTF-8
+    if not all(prompts):
         fail("the prompt must not be empty")
 
     try:
@@ -102,8 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not model.causal:
         fail(f"{args.checkpoint} holds a non-causal model, which cannot generate")
     num_tokens = model.config["num_tokens"]
-    if max(prompt) >= num_tokens:
-        fail(f"the prompt holds byte {max(prompt)}, outside this model's {num_tokens}-token vocabulary")
+    largest = max(max(prompt) for prompt in prompts)
+    if largest >= num_tokens:
+        fail(f"the prompt holds byte {largest}, outside this model's {num_tokens}-token vocabulary")
     graphable = device.type == "cuda" and model.has_graphable_decoding()
     if args.cuda_graph and not graphable:
         fail("--cuda-graph needs CUDA and a model whose sparse attention runs on the triton backend")
@@ -111,19 +133,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     options = dict(samples=args.samples, temperature=args.temperature, filter_thres=args.filter_thres,
                    seed=args.seed, use_cuda_graph=use_cuda_graph)
-    if args.samples == 1:
+    if args.samples == 1 and len(prompts) == 1:
         # One continuation streams out byte by byte, decoded as UTF-8 once its sequences complete.
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         write = partial(_write, decoder)
-        write(prompt)
-        generate(model.to(device), prompt, args.length, on_bytes=lambda step: write(bytes(step)), **options)
+        write(prompts[0])
+        generate(model.to(device), prompts[0], args.length, on_bytes=lambda step: write(bytes(step)), **options)
         write(b"", final=True)
         print(flush=True)
         return 0
-    texts = generate(model.to(device), prompt, args.length, **options)
-    for index, text in enumerate(texts):
-        print(f"--- sample {index + 1} of {args.samples}")
-        print((prompt + text).decode("utf-8", errors="replace"), flush=True)
+    texts = iter(generate(model.to(device), prompts, args.length, **options))
+    for prompt_index, prompt in enumerate(prompts):
+        for sample_index in range(args.samples):
+            headings = [f"prompt {prompt_index + 1} of {len(prompts)}"] if len(prompts) > 1 else []
+            if args.samples > 1:
+                headings.append(f"sample {sample_index + 1} of {args.samples}")
+            print(f"--- {', '.join(headings)}")
+            print((prompt + next(texts)).decode("utf-8", errors="replace"), flush=True)
     return 0
 
 

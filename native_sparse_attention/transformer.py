@@ -3,7 +3,8 @@ baseline, full attention."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -13,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from native_sparse_attention.full_attention import FullAttention
 from native_sparse_attention.sparse_attention import SparseAttention
-from native_sparse_attention.static_cache import capture_step
+from native_sparse_attention.static_cache import capture_step, cat_caches
 
 __all__ = ["Transformer", "DEFAULT_SPARSE_ATTN_KWARGS"]
 
@@ -59,6 +60,43 @@ def top_k_filter(logits: torch.Tensor, filter_thres: float) -> torch.Tensor:
     k = max(1, int(round((1.0 - filter_thres) * logits.shape[-1])))
     values, indices = logits.topk(k, dim=-1)
     return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+
+
+def _next_token(logits: torch.Tensor, temperature: float, filter_thres: float) -> torch.Tensor:
+    """logits: [b, num_tokens] -> the next tokens [b, 1]: the most likely at temperature 0,
+    else drawn from the top ``1 - filter_thres`` fraction."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    kept = top_k_filter(logits, filter_thres)
+    # Shifted by the largest logit first, so that a tiny temperature divides only values
+    # <= 0 and the softmax sees 0 and -inf, never inf - inf.
+    probs = F.softmax((kept - kept.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
+    return torch.multinomial(probs, 1)
+
+
+def _checked_prompts(prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``sample``'s list of prompts: non-empty 1-d integer tensors on one device."""
+    if not prompts:
+        raise ValueError("prompt must hold at least one prompt")
+    for index, p in enumerate(prompts):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"prompt[{index}] must be a torch.Tensor, got {type(p).__name__}")
+        if p.ndim != 1 or p.dtype not in (torch.int64, torch.int32) or len(p) == 0:
+            raise ValueError(f"prompt[{index}] must be a non-empty 1-d integer tensor, got {p.dtype} "
+                             f"{tuple(p.shape)}")
+        if p.device != prompts[0].device:
+            raise ValueError(f"prompt[{index}] is on {p.device} but prompt[0] is on {prompts[0].device}")
+    return list(prompts)
+
+
+def _checked_lengths(seq_len: int | Sequence[int], rows: int) -> torch.Tensor:
+    """``sample``'s final lengths of ``rows`` prompts: one int for all, or one per prompt."""
+    lengths = seq_len if isinstance(seq_len, (list, tuple)) else [seq_len] * rows
+    if not all(isinstance(length, numbers.Integral) and not isinstance(length, bool) for length in lengths):
+        raise TypeError(f"seq_len must be an int or a sequence of ints, one per prompt, got {seq_len!r}")
+    if len(lengths) != rows:
+        raise ValueError(f"seq_len must give one length per prompt: {rows} prompts, {len(lengths)} lengths")
+    return torch.tensor([int(length) for length in lengths])
 
 
 class Transformer(nn.Module):
@@ -177,9 +215,9 @@ class Transformer(nn.Module):
         return (logits, new_caches) if return_caches else logits
 
     @torch.no_grad()
-    def sample(self, prompt: torch.Tensor, seq_len: int, temperature: float = 1.0, filter_thres: float = 0.9,
-               use_cache_kv: bool = False, use_cuda_graph: bool = False,
-               on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    def sample(self, prompt: torch.Tensor | Sequence[torch.Tensor], seq_len: int | Sequence[int],
+               temperature: float = 1.0, filter_thres: float = 0.9, use_cache_kv: bool = False,
+               use_cuda_graph: bool = False, on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Continue ``prompt: [b, p]`` (or ``[p]``) until it is ``seq_len`` tokens long.
 
         Sampling keeps the top ``1 - filter_thres`` fraction of the logits; ``temperature=0``
@@ -188,16 +226,36 @@ class Transformer(nn.Module):
         ``use_cuda_graph`` also captures that step in a CUDA graph and replays it (CUDA
         and sparse layers on the Triton kernels only), after a prefill of the prompt.
         ``on_token`` is called with each step's tokens, ``[b]`` (streaming them out).
+
+        ``prompt`` may also be a list of 1-d prompts of different lengths, decoded as one
+        batch: each is continued until it is ``seq_len`` tokens long (or ``seq_len[i]``,
+        given one length per prompt), and the list of their continuations is returned
+        (``seq_len - p_i`` tokens each). The batch runs until its last row is done;
+        ``on_token`` sees -1 for rows already complete. Through caches each prompt is
+        prefilled alone and the rows decode at their own positions
+        (``static_cache.cat_caches``), which needs sparse layers on the Triton kernels (CUDA,
+        or ``TRITON_INTERPRET=1``); without caches each step reads the batch padded on the
+        right, which causal layers never see.
         """
         if not self.causal:
             raise ValueError("sample needs a causal model")
+        if not 0.0 <= filter_thres < 1.0:
+            raise ValueError(f"filter_thres must be in [0, 1), got {filter_thres}")
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            return _next_token(logits, temperature, filter_thres)
+
+        if isinstance(prompt, (list, tuple)):
+            prompts = _checked_prompts(prompt)
+            lengths = _checked_lengths(seq_len, len(prompts))
+            return self._sample_ragged(prompts, lengths, pick, use_cache_kv, use_cuda_graph, on_token)
+        if isinstance(seq_len, (list, tuple)):
+            raise TypeError("seq_len is one int for a tensor prompt; one length per prompt needs a list of prompts")
         squeeze = prompt.ndim == 1
         out = prompt[None] if squeeze else prompt
         prompt_len = out.shape[1]
         if prompt_len == 0:
             raise ValueError("prompt must hold at least one token")
-        if not 0.0 <= filter_thres < 1.0:
-            raise ValueError(f"filter_thres must be in [0, 1), got {filter_thres}")
         if use_cuda_graph:
             self._check_graphable(out)
         was_training = self.training
@@ -213,21 +271,85 @@ class Transformer(nn.Module):
                     replay = self._graphed_step(caches, capacity=seq_len, example_ids=out[:, -1:])
             else:
                 logits = self(out)
-            next_logits = logits[:, -1]
-            if temperature == 0:
-                next_token = next_logits.argmax(dim=-1, keepdim=True)
-            else:
-                kept = top_k_filter(next_logits, filter_thres)
-                # Shifted by the largest logit first, so that a tiny temperature divides only
-                # values <= 0 and the softmax sees 0 and -inf, never inf - inf.
-                probs = F.softmax((kept - kept.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
-                next_token = torch.multinomial(probs, 1)
+            next_token = pick(logits[:, -1])
             out = torch.cat((out, next_token), dim=1)
             if on_token is not None:
                 on_token(next_token[:, 0])
         self.train(was_training)
         generated = out[:, prompt_len:]
         return generated[0] if squeeze else generated
+
+    def _sample_ragged(self, prompts: list[torch.Tensor], seq_lens: torch.Tensor,
+                       pick: Callable[[torch.Tensor], torch.Tensor], use_cache_kv: bool, use_cuda_graph: bool,
+                       on_token: Callable[[torch.Tensor], None] | None) -> list[torch.Tensor]:
+        """``sample`` of prompts of different lengths (1-d each) as one batch."""
+        if use_cuda_graph:
+            self._check_graphable(prompts[0][None])
+        elif use_cache_kv and not self.has_graphable_decoding():
+            raise ValueError("prompts of different lengths decode through caches only with sparse attention layers "
+                             "on the Triton kernels (use_triton_kernel=True); without caches (use_cache_kv=False) "
+                             "any model decodes them")
+        device = prompts[0].device
+        lengths = torch.tensor([len(p) for p in prompts])
+        wanted = (seq_lens - lengths).clamp(min=0)
+        steps = int(wanted.max())
+        complete = (torch.arange(steps)[None, :] >= wanted[:, None]).to(device)
+        generated = torch.full((len(prompts), steps), -1, dtype=torch.long, device=device)
+        was_training = self.training
+        self.eval()
+        if steps:
+            if use_cache_kv or use_cuda_graph:
+                logits, step = self._static_decoding(prompts, steps, use_cuda_graph)
+            else:
+                logits, step = self._padded_decoding(prompts, steps)
+            for t in range(steps):
+                next_token = pick(logits)
+                generated[:, t] = next_token[:, 0].masked_fill(complete[:, t], -1)
+                if on_token is not None:
+                    on_token(generated[:, t])
+                if t + 1 < steps:
+                    logits = step(next_token)
+        self.train(was_training)
+        return [row[:count] for row, count in zip(generated, wanted.tolist())]
+
+    def _static_decoding(self, prompts: list[torch.Tensor], steps: int, use_cuda_graph: bool):
+        """Each prompt prefilled alone and its caches moved into static ones with room for
+        ``steps`` more tokens, joined into one batch whose rows sit at their own positions.
+        Returns the prefills' last logits ``[b, num_tokens]`` and the step ``[b, 1] ids ->
+        [b, num_tokens]`` that continues them."""
+        capacity = max(len(p) for p in prompts) + steps
+        last_logits, static = [], []
+        for p in prompts:
+            logits, caches = self(p[None], return_caches=True)
+            last_logits.append(logits[:, -1])
+            static.append([attn.static_cache(cache, capacity) for (attn, _), cache in zip(self.layers, caches)])
+        static = [cat_caches(layer_caches) for layer_caches in zip(*static)]
+        if use_cuda_graph:
+            graphed = self._capture(static, torch.stack([p[-1:] for p in prompts]))
+            return torch.cat(last_logits), lambda ids: graphed(ids)[:, -1]
+        return torch.cat(last_logits), lambda ids: self(ids, caches=static)[:, -1]
+
+    def _padded_decoding(self, prompts: list[torch.Tensor], steps: int):
+        """The prompts padded on the right into one batch, every step run over the whole of
+        it: a causal model's logits at a row's last token never see the padding. Returns
+        the first logits ``[b, num_tokens]`` and the step ``[b, 1] ids -> [b, num_tokens]``."""
+        device = prompts[0].device
+        ends = torch.tensor([len(p) for p in prompts], device=device)
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width + steps, dtype=torch.long, device=device)
+        for row, p in enumerate(prompts):
+            ids[row, : len(p)] = p
+        rows = torch.arange(len(prompts), device=device)
+
+        def last_logits() -> torch.Tensor:
+            return self(ids[:, : int(ends.max())])[rows, ends - 1]
+
+        def step(next_ids: torch.Tensor) -> torch.Tensor:
+            ids[rows, ends] = next_ids[:, 0]
+            ends.add_(1)
+            return last_logits()
+
+        return last_logits(), step
 
     def has_graphable_decoding(self) -> bool:
         """Whether ``sample(..., use_cuda_graph=True)`` can run on CUDA ids: every attention
@@ -243,6 +365,9 @@ class Transformer(nn.Module):
     def _graphed_step(self, caches: list, capacity: int, example_ids: torch.Tensor) -> _GraphedStep:
         """One decoding step through static copies of ``caches``, captured in a CUDA graph."""
         static = [attn.static_cache(cache, capacity) for (attn, _), cache in zip(self.layers, caches)]
+        return self._capture(static, example_ids)
+
+    def _capture(self, static: list, example_ids: torch.Tensor) -> _GraphedStep:
         ids = example_ids.clone()
         graph, logits = capture_step(lambda: self(ids, caches=static), static)
         return _GraphedStep(graph, ids, logits, static)

@@ -45,6 +45,28 @@ def test_each_steps_bytes_reach_the_callback_as_they_are_drawn():
     assert [bytes(column) for column in zip(*steps)] == texts == generate(model, b"abc", 9, samples=2, seed=3)
 
 
+def test_prompts_of_different_lengths_get_their_own_continuations():
+    model = small_model()
+    texts = generate(model, [b"ab", b"Hello ", b"xyz"], 7, samples=2, temperature=0.0)
+    assert len(texts) == 6 and all(len(text) == 7 for text in texts)
+    for index, prompt in enumerate([b"ab", b"Hello ", b"xyz"]):
+        assert texts[2 * index: 2 * index + 2] == generate(model, prompt, 7, samples=2, temperature=0.0)
+
+
+def test_cli_decodes_several_prompts(run_dir, capsys):
+    assert main(["--checkpoint", str(run_dir), "--prompt", "Hi", "--prompt", "Hello", "--length", "5",
+                 "--samples", "2", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    texts = generate(small_model(), [b"Hi", b"Hello"], 5, samples=2, temperature=0.0)
+    expected = "".join(
+        f"--- prompt {p + 1} of 2, sample {s + 1} of 2\n" + (prompt + texts[2 * p + s]).decode(errors="replace") + "\n"
+        for p, prompt in enumerate([b"Hi", b"Hello"]) for s in range(2)
+    )
+    assert printed == expected
+    assert main(["--checkpoint", str(run_dir), "--prompt", "Hi", "--prompt", "Hello", "--length", "5"]) == 0
+    assert capsys.readouterr().out.startswith("--- prompt 1 of 2\nHi")
+
+
 def test_cli_prints_the_prompt_and_its_continuation(run_dir, capsys):
     """One sample streams out byte by byte; the text is the whole continuation's decoding."""
     assert main(["--checkpoint", str(run_dir), "--prompt", "Hello", "--length", "16", "--temperature", "0"]) == 0
@@ -153,3 +175,8 @@ def test_graphed_decoding_on_cuda_gives_the_eager_bytes():
     prompt = b"The sparse layer "
     graphed = generate(model, prompt, 60, temperature=0.0, use_cuda_graph=True)
     assert graphed == generate(model, prompt, 60, temperature=0.0)
+    # Prompts of different lengths decode as one batch, replayed or eagerly alike.
+    prompts = [prompt, b"A", b"Decoding with a cache of its own, row by row "]
+    graphed = generate(model, prompts, 40, temperature=0.0, use_cuda_graph=True)
+    assert [len(text) for text in graphed] == [40, 40, 40]
+    assert graphed == generate(model, prompts, 40, temperature=0.0)

@@ -47,6 +47,73 @@ def test_greedy_sampling_with_cache_equals_without(use_sparse_attn):
     assert torch.equal(with_cache, without_cache)
 
 
+def _each_alone(model, prompts, seq_len, **kwargs):
+    return [model.sample(p, seq_len, temperature=0.0, **kwargs) for p in prompts]
+
+
+@pytest.mark.parametrize("use_sparse_attn", [True, False])
+def test_prompts_of_different_lengths_decode_as_one_batch(use_sparse_attn):
+    """Without caches the rows are padded on the right: each row's greedy continuation is
+    the one it gets alone, ``seq_len - p`` tokens long, and ``on_token`` shows -1 for the
+    rows already complete (the longest prompt here needs 2 tokens, the shortest 17)."""
+    model = make_model(use_sparse_attn)
+    prompts = [torch.randint(0, 64, (n,)) for n in (3, 18, 9)]
+    streamed = []
+    got = model.sample(prompts, 20, temperature=0.0, on_token=lambda tokens: streamed.append(tokens.clone()))
+    assert [len(g) for g in got] == [17, 2, 11]
+    for mine, alone in zip(got, _each_alone(model, prompts, 20)):
+        assert torch.equal(mine, alone)
+    streamed = torch.stack(streamed, dim=1)
+    assert streamed.shape == (3, 17)
+    for row, generated in zip(streamed, got):
+        assert torch.equal(row[: len(generated)], generated) and (row[len(generated):] == -1).all()
+    # A prompt as long as seq_len gets nothing; temperature > 0 draws.
+    drawn = model.sample([prompts[0], torch.randint(0, 64, (20,))], 20, temperature=1.0)
+    assert [len(g) for g in drawn] == [17, 0]
+    # One final length per prompt.
+    shorter = model.sample(prompts, [8, 20, 13], temperature=0.0)
+    assert [len(g) for g in shorter] == [5, 2, 4]
+    assert all(torch.equal(mine, longer[: len(mine)]) for mine, longer in zip(shorter, got))
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="interpreter only")
+def test_prompts_of_different_lengths_decode_through_static_caches_interpreted():
+    """Through caches each prompt is prefilled alone and the rows decode at their own
+    positions: each row's greedy continuation is the one it gets alone from the layers'
+    dynamic caches."""
+    model = make_model(sparse_attn_kwargs=dict(
+        sliding_window_size=16, compress_block_size=8, compress_block_sliding_stride=4,
+        selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True,
+    )).eval()
+    prompts = [torch.randint(0, 64, (n,)) for n in (9, 20, 14)]
+    got = model.sample(prompts, 27, temperature=0.0, use_cache_kv=True)
+    assert [len(g) for g in got] == [18, 7, 13]
+    for mine, alone in zip(got, _each_alone(model, prompts, 27, use_cache_kv=True)):
+        assert torch.equal(mine, alone)
+
+
+def test_prompts_of_different_lengths_are_checked():
+    model = make_model()
+    with pytest.raises(ValueError, match="Triton"):
+        model.sample([torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long)], 6, use_cache_kv=True)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        model.sample([], 6)
+    with pytest.raises(ValueError, match=r"prompt\[1\] must be a non-empty 1-d integer tensor"):
+        model.sample([torch.zeros(2, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long)], 6)
+    with pytest.raises(ValueError, match=r"prompt\[0\] must be a non-empty"):
+        model.sample([torch.zeros(0, dtype=torch.long)], 6)
+    with pytest.raises(TypeError, match=r"prompt\[0\] must be a torch.Tensor"):
+        model.sample([[1, 2]], 6)
+    two = [torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long)]
+    with pytest.raises(ValueError, match="one length per prompt: 2 prompts, 3 lengths"):
+        model.sample(two, [5, 6, 7])
+    with pytest.raises(TypeError, match="sequence of ints"):
+        model.sample(two, [5, 6.0])
+    with pytest.raises(TypeError, match="list of prompts"):
+        model.sample(two[0], [5])
+
+
 def test_cuda_graph_sampling_needs_cuda_and_triton_layers():
     triton_kwargs = {**SPARSE_KWARGS, "selection_block_size": 16, "use_triton_kernel": True}
     assert make_model(sparse_attn_kwargs=triton_kwargs).has_graphable_decoding()
@@ -98,18 +165,22 @@ def test_graphed_steps_equal_cached_steps_interpreted(monkeypatch):
             torch.testing.assert_close(graphed, cached, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("autocast", [False, True])
-def test_cuda_graph_steps_equal_cached_steps(autocast):
-    """The logits of graph replays against those of eager cached steps, token for token."""
+def _cuda_triton_model():
     torch.manual_seed(0)
-    model = Transformer(
+    return Transformer(
         num_tokens=64, dim=64, depth=2, heads=4, dim_head=16, kv_heads=2, sparse_attn_kwargs=dict(
             sliding_window_size=32, compress_block_size=16, compress_block_sliding_stride=8,
             selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True,
         ),
     ).cuda().eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_graph_steps_equal_cached_steps(autocast):
+    """The logits of graph replays against those of eager cached steps, token for token."""
+    model = _cuda_triton_model()
     ids = torch.randint(0, 64, (2, 237), device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         _, caches = model(ids[:, :37], return_caches=True)
@@ -120,6 +191,26 @@ def test_cuda_graph_steps_equal_cached_steps(autocast):
             torch.testing.assert_close(graphed, cached.float(), atol=2e-2 if autocast else 1e-4, rtol=0)
         generated = model.sample(ids[:, :37], 60, temperature=1.0, use_cuda_graph=True)
     assert generated.shape == (2, 23) and generated.dtype == torch.long
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_prompts_of_different_lengths_replay_from_a_cuda_graph(autocast):
+    """Rows at their own positions in one captured step: in float32 each row's greedy
+    continuation is the one it gets alone; under bf16 autocast, where the batch's size
+    changes the matmuls' rounding, the replayed steps give the eager steps' tokens."""
+    model = _cuda_triton_model()
+    prompts = [torch.randint(0, 64, (n,), device="cuda") for n in (37, 301, 150, 16)]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        got = model.sample(prompts, 420, temperature=0.0, use_cuda_graph=True)
+        if autocast:
+            expected = model.sample(prompts, 420, temperature=0.0, use_cache_kv=True)
+        else:
+            expected = _each_alone(model, prompts, 420, use_cuda_graph=True)
+    assert [len(g) for g in got] == [383, 119, 270, 404]
+    for mine, wanted in zip(got, expected):
+        assert torch.equal(mine, wanted)
 
 
 @pytest.mark.parametrize("chunk", [1, 5])
