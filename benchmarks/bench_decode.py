@@ -3,12 +3,12 @@
 Configuration: the layer benchmark's (``bench_layer.py``: dim 2048, 32 query heads on 2 kv
 heads of dim 64, sliding window 512, compression 32 / stride 16, selection blocks of 64, 16
 selected), bf16 autocast, batch 1, no autograd. A prefill of n tokens builds each layer's
-cache; then every step feeds the next token with the cache: eagerly for both layers, and
-for NSA also through a ``StaticSparseAttentionCache`` with the step captured in a CUDA
-graph and replayed, once under autocast and once with the layer converted to bf16 (no
-autocast, so no weight is cast inside the step). Per token: the wall time of 32 steps run back to back (what
-generation sees: the host issues one step while the GPU runs the last), and the CUDA
-kernel time and kernel count of one step (torch.profiler).
+cache; then every step feeds the next token with the cache: eagerly, and through a static
+cache (``StaticSparseAttentionCache``, the dense layer's ``StaticFullAttentionCache``) with
+the step captured in a CUDA graph and replayed; for NSA also with the layer converted to
+bf16 (no autocast, so no weight is cast inside the step). Per token: the wall time of 32
+steps run back to back (what generation sees: the host issues one step while the GPU runs
+the last), and the CUDA kernel time and kernel count of one step (torch.profiler).
 
     python benchmarks/bench_decode.py           # table + docs/benchmarks.md "decode"
 """
@@ -35,8 +35,9 @@ from native_sparse_attention.static_cache import capture_step  # noqa: E402
 
 CACHED_LENS = (4096, 16384, 65536)
 WARMUP_STEPS, TIMED_STEPS, TIMED_RUNS = 16, 32, 5
-KINDS = ("dense", "nsa", "nsa_graph", "nsa_graph_bf16")
-KIND_NAMES = ("dense", "NSA", "NSA, CUDA graph", "NSA, bf16 layer, CUDA graph")
+KINDS = ("dense", "dense_graph", "nsa", "nsa_graph", "nsa_graph_bf16")
+KIND_NAMES = ("dense", "dense, CUDA graph", "NSA", "NSA, CUDA graph", "NSA, bf16 layer, CUDA graph")
+GRAPHED = ("dense_graph", "nsa_graph", "nsa_graph_bf16")
 
 
 @dataclass
@@ -67,10 +68,11 @@ def _timed(step: Callable[[], None]) -> DecodeTiming:
 
 def measure(kind: str, n: int) -> DecodeTiming:
     """Per-token decoding time of a freshly seeded layer after a prefill of n tokens:
-    ``kind`` is one of KINDS: "nsa_graph" replays a captured step under autocast,
-    "nsa_graph_bf16" the same step of the layer converted to bf16, without autocast."""
+    ``kind`` is one of KINDS: "dense_graph" and "nsa_graph" replay a captured step under
+    autocast, "nsa_graph_bf16" the NSA step of the layer converted to bf16, without
+    autocast."""
     torch.manual_seed(0)
-    layer = build("dense" if kind == "dense" else "nsa").eval()
+    layer = build("dense" if kind.startswith("dense") else "nsa").eval()
     bf16_layer = kind == "nsa_graph_bf16"
     if bf16_layer:
         layer = layer.to(torch.bfloat16)
@@ -79,7 +81,7 @@ def measure(kind: str, n: int) -> DecodeTiming:
     tokens = iter(range(n, x.shape[1]))
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=not bf16_layer):
         _, cache = layer(x[:, :n], return_cache=True)
-        if kind in ("nsa_graph", "nsa_graph_bf16"):
+        if kind in GRAPHED:
             static = layer.static_cache(cache, n + steps)
             step_input = x[:, n:n + 1].clone()
             graph, _ = capture_step(lambda: layer(step_input, cache=static), [static])
@@ -121,8 +123,9 @@ def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
         "NSA decodes on its Triton kernels (the compressed branch and block selection, then the selected and "
         "sliding branches in one launch). Eager steps of both layers are bound by the host issuing their "
         "kernels, not by the GPU, so their wall times vary with the host's CPU by some 30% from one machine to "
-        "the next. \"CUDA graph\" replays one captured step through a `StaticSparseAttentionCache`, whose "
-        "buffers have their final size from the start; under autocast the step casts every float32 weight to bf16 "
+        "the next. \"CUDA graph\" replays one captured step through a static cache, whose buffers have their "
+        "final size from the start (`StaticSparseAttentionCache`; the dense layer's `StaticFullAttentionCache`, "
+        "whose step attends its whole buffer under a mask of the cached rows); under autocast the step casts every float32 weight to bf16 "
         "inside the graph too, which \"bf16 layer\" (the layer converted with `.to(torch.bfloat16)`, run without "
         "autocast) does not.",
         "",

@@ -9,7 +9,7 @@ from native_sparse_attention.compress import (
     TransformerCompress,
 )
 from native_sparse_attention.documents import pack_documents
-from native_sparse_attention.full_attention import FullAttention
+from native_sparse_attention.full_attention import FullAttention, StaticFullAttentionCache
 from native_sparse_attention.sparse_attention import SparseAttention, SparseAttentionCache
 from native_sparse_attention.static_cache import StaticSparseAttentionCache
 from native_sparse_attention.transformer import Transformer
@@ -22,6 +22,7 @@ __all__ = [
     "GroupedCompressMLP",
     "SparseAttention",
     "SparseAttentionCache",
+    "StaticFullAttentionCache",
     "StaticSparseAttentionCache",
     "Transformer",
     "TransformerCompress",

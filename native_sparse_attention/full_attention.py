@@ -13,9 +13,10 @@ from torch.nn.attention.bias import causal_lower_right
 from native_sparse_attention.compress import plain_linear
 from native_sparse_attention.documents import checked_document_bounds
 from native_sparse_attention.layer_input import check_layer_input
-from native_sparse_attention.rotary import RotaryEmbedding
+from native_sparse_attention.rotary import RotaryEmbedding, split_qkv_heads
+from native_sparse_attention.static_cache import StaticKVCache, static_key_values
 
-__all__ = ["FullAttention", "FullAttentionCache"]
+__all__ = ["FullAttention", "FullAttentionCache", "StaticFullAttentionCache"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,13 @@ class FullAttentionCache:
     @property
     def seq_len(self) -> int:
         return self.keys.shape[2]
+
+
+@dataclass(frozen=True)
+class StaticFullAttentionCache(StaticKVCache):
+    """Decoding state of one ``FullAttention`` layer in buffers of a fixed capacity, which
+    each step updates in place (``FullAttention.static_cache``; the fields are
+    ``StaticKVCache``'s)."""
 
 
 class FullAttention(nn.Module):
@@ -48,13 +56,18 @@ class FullAttention(nn.Module):
         self.rotary = RotaryEmbedding(dim_head)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: FullAttentionCache | None = None, return_cache: bool = False,
-                document_ids: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cache: FullAttentionCache | StaticFullAttentionCache | None = None,
+                return_cache: bool = False, document_ids: torch.Tensor | None = None):
         """x: [b, n, dim] -> [b, n, dim] (and the cache when ``return_cache``); with a cache,
-        x holds the next tokens. ``document_ids: [b, n]`` (integer) packs documents: a run
+        x holds the next tokens (one per row with a ``StaticFullAttentionCache``, which the
+        step updates in place). ``document_ids: [b, n]`` (integer) packs documents: a run
         of equal ids is one document, attended causally and alone (causal layers, without a
         cache; on CUDA through FlexAttention, elsewhere through a dense mask)."""
         check_layer_input(x, self.dim, self.to_qkv.weight)
+        if isinstance(cache, StaticFullAttentionCache):
+            if return_cache or document_ids is not None:
+                raise ValueError("a static cache is updated in place: call the layer with it alone")
+            return self._static_step(x, cache)
         if document_ids is not None:
             return self._attend_documents(x, document_ids, cache is not None or return_cache)
         offset = 0 if cache is None else cache.seq_len
@@ -78,6 +91,40 @@ class FullAttention(nn.Module):
         )
         out = self.to_out(rearrange(out, "b h n d -> b n (h d)"))
         return (out, FullAttentionCache(k, v)) if return_cache else out
+
+    def static_cache(self, cache: FullAttentionCache, capacity: int) -> StaticFullAttentionCache:
+        """``cache`` moved into buffers of ``capacity`` tokens, which every later step (one
+        token per row, rows at positions of their own) updates in place: decoding that a
+        CUDA graph can replay, and whose batch rows ``static_cache.cat_caches`` may join from
+        prompts of different lengths."""
+        if not isinstance(cache, FullAttentionCache):
+            raise TypeError(f"cache must be a FullAttentionCache, got {type(cache).__name__}")
+        if not self.causal:
+            raise ValueError("static caches decode causal layers: build the layer with causal=True")
+        return StaticFullAttentionCache(**static_key_values(cache.keys, cache.values, capacity))
+
+    def _static_step(self, x: torch.Tensor, cache: StaticFullAttentionCache) -> torch.Tensor:
+        """x: [b, 1, dim], row ``r`` the token at ``cache.position[r]`` -> [b, 1, dim]; writes
+        its keys and values and advances the positions. A step past the capacity fails a
+        device-side index check."""
+        if x.shape[1] != 1:
+            raise ValueError(f"a static cache decodes one token per step, got x with seq_len {x.shape[1]}")
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            raise ValueError("a static cache decodes without gradients: call the layer under torch.no_grad()")
+        q, k, v, _ = split_qkv_heads(self._project(self._normed(x)), self.heads, self.kv_heads, self.dim_head)
+        position, dtype = cache.position, cache.keys.dtype
+        rk = self.rotary.at(k, position)
+        # scatter_ checks the positions against the capacity on the device.
+        rows = position.view(-1, 1, 1, 1).expand_as(rk)
+        cache.keys.scatter_(2, rows, rk.to(dtype))
+        cache.values.scatter_(2, rows, v.to(dtype))
+        visible = torch.arange(cache.capacity, device=x.device) <= position[:, None]
+        out = F.scaled_dot_product_attention(
+            self.rotary.at(q, position).to(dtype), cache.keys, cache.values, attn_mask=visible[:, None, None],
+            enable_gqa=self.heads != self.kv_heads,
+        )
+        position.add_(1)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
     def _attend_documents(self, x: torch.Tensor, document_ids: torch.Tensor, cached: bool) -> torch.Tensor:
         if cached:

@@ -41,8 +41,8 @@ def generate(model: Transformer, prompt: bytes | Sequence[bytes], length: int, *
     """``samples`` continuations of ``prompt``, or of each of several prompts, ``length``
     bytes each, from ``model`` on its device (bf16 autocast on CUDA): every prompt's
     samples in turn. Prompts of one length decode as one batch, and so do prompts of
-    different lengths on CUDA where the sparse layers run on the Triton kernels; elsewhere
-    each prompt's samples are a batch of their own. The same seed gives the same bytes on
+    different lengths with full attention, and on CUDA with sparse layers on the Triton
+    kernels; elsewhere each prompt's samples are a batch of their own. The same seed gives the same bytes on
     the same device; the caller's random state is left as it was. ``on_bytes`` receives
     each step's byte of every sample of the batch as it is drawn."""
     prompts = [prompt] if isinstance(prompt, bytes) else list(prompt)
@@ -57,7 +57,7 @@ def generate(model: Transformer, prompt: bytes | Sequence[bytes], length: int, *
         torch.manual_seed(seed)
         if len({len(p) for p in prompts}) == 1:
             batches = [torch.stack(rows)]
-        elif device.type == "cuda" and model.has_graphable_decoding():
+        elif model.has_graphable_decoding() and (device.type == "cuda" or not model.config["use_sparse_attn"]):
             batches = [rows]
         else:
             batches = [torch.stack(rows[start:start + samples]) for start in range(0, len(rows), samples)]
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(f"the prompt holds byte {largest}, outside this model's {num_tokens}-token vocabulary")
     graphable = device.type == "cuda" and model.has_graphable_decoding()
     if args.cuda_graph and not graphable:
-        fail("--cuda-graph needs CUDA and a model whose sparse attention runs on the triton backend")
+        fail("--cuda-graph needs CUDA, and a model whose sparse attention (if any) runs on the triton backend")
     use_cuda_graph = graphable if args.cuda_graph is None else args.cuda_graph
 
     options = dict(samples=args.samples, temperature=args.temperature, filter_thres=args.filter_thres,

@@ -55,8 +55,23 @@ class RotaryEmbedding(nn.Module):
             from native_sparse_attention.kernels.rotary import apply_rotary
 
             return apply_rotary(t, self.inv_freq, offset)
-        positions = torch.arange(t.shape[-2], device=t.device, dtype=torch.float32) + offset
-        angles = positions[:, None] * self.inv_freq[None, :]
+        return self._rotated(t, torch.arange(t.shape[-2], device=t.device, dtype=torch.float32) + offset)
+
+    def at(self, t: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """t: [b, h, n, d], batch row ``r`` at positions ``position[r] ..`` (``position``: [b]
+        int64 on t's device, read there: a decoding step that a CUDA graph replays) ->
+        rotated [b, h, n, d]. No gradient."""
+        if t.is_cuda and t.dtype in _KERNEL_DTYPES:
+            from native_sparse_attention.kernels.rotary import rotate_at
+
+            return rotate_at(t, self.inv_freq, position)
+        steps = torch.arange(t.shape[-2], device=t.device, dtype=torch.float32)
+        return self._rotated(t, (position[:, None].float() + steps)[:, None])
+
+    def _rotated(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """t: [..., n, d] rotated at ``positions``: [n], or any shape that broadcasts
+        against t's leading dims followed by n."""
+        angles = positions[..., None] * self.inv_freq
         cos, sin = angles.cos(), angles.sin()
         compute_dtype = torch.promote_types(t.dtype, torch.float32)
         first, second = t.to(compute_dtype).chunk(2, dim=-1)

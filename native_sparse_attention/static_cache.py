@@ -32,19 +32,42 @@ from native_sparse_attention.selection import num_compressed_blocks
 if TYPE_CHECKING:
     from native_sparse_attention.sparse_attention import SparseAttention, SparseAttentionCache
 
-__all__ = ["StaticSparseAttentionCache", "capture_step", "cat_caches", "static_cache", "static_step"]
+__all__ = ["StaticKVCache", "StaticSparseAttentionCache", "capture_step", "cat_caches", "static_cache",
+           "static_key_values", "static_step"]
 
 T = TypeVar("T")
+C = TypeVar("C", bound="StaticKVCache")
 
 
 @dataclass(frozen=True)
-class StaticSparseAttentionCache:
-    """Decoding state of one ``SparseAttention`` layer in fixed-size buffers that each step
-    updates in place.
+class StaticKVCache:
+    """What every layer's static cache holds, in fixed-size buffers that each step updates
+    in place.
 
     position: [b] int64, each batch row's number of tokens cached (its next token's
     position);
-    keys (rotary applied), values: [b, hk, capacity, d], rows ``>= position`` unused;
+    keys (rotary applied), values: [b, hk, capacity, d], rows ``>= position`` unused.
+    """
+
+    position: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def step_state(self) -> tuple[torch.Tensor, ...]:
+        """What a step changes that a later step reads (``capture_step`` restores it after
+        the capture's warm-up); the other rows a step writes, each replay rewrites first."""
+        return (self.position,)
+
+
+@dataclass(frozen=True)
+class StaticSparseAttentionCache(StaticKVCache):
+    """Decoding state of one ``SparseAttention`` layer: ``StaticKVCache``'s, and
+
     compressed_keys, compressed_values: [b, hk, num_mem + windows + 1, d]: the memory
     key/values, then one row per compression window that fits in ``capacity`` tokens,
     then a spare row that steps completing no window write to;
@@ -52,17 +75,14 @@ class StaticSparseAttentionCache:
     the last ``compress_block_size`` tokens, token t in row ``t % compress_block_size``.
     """
 
-    position: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
     compressed_keys: torch.Tensor
     compressed_values: torch.Tensor
     recent_keys: torch.Tensor
     recent_values: torch.Tensor
 
     @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
+    def step_state(self) -> tuple[torch.Tensor, ...]:
+        return self.position, self.recent_keys, self.recent_values
 
 
 def static_cache(layer: SparseAttention, cache: SparseAttentionCache, capacity: int) -> StaticSparseAttentionCache:
@@ -75,10 +95,7 @@ def static_cache(layer: SparseAttention, cache: SparseAttentionCache, capacity: 
 
     if not isinstance(cache, SparseAttentionCache):
         raise TypeError(f"cache must be a SparseAttentionCache, got {type(cache).__name__}")
-    if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool):
-        raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
-    if capacity <= cache.seq_len:
-        raise ValueError(f"capacity must exceed the {cache.seq_len} cached tokens, got {capacity}")
+    key_values = static_key_values(cache.keys, cache.values, capacity)
     if not layer.use_triton_kernel:
         raise ValueError("static caches decode on the Triton kernels: build the layer with use_triton_kernel=True")
     if not (cache.keys.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -86,17 +103,11 @@ def static_cache(layer: SparseAttention, cache: SparseAttentionCache, capacity: 
                          f"{cache.keys.device}")
     b, hk, seq_len, d = cache.keys.shape
     dtype, device = cache.keys.dtype, cache.keys.device
-
-    def buffer(rows: int, prefix: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(b, hk, rows, d, dtype=dtype, device=device)
-        out[:, :, : prefix.shape[2]] = prefix
-        return out
-
     num_mem, window = layer.num_mem, layer.compress_block_size
     rows = num_mem + num_compressed_blocks(capacity, window, layer.compress_stride) + 1
     mem_k, mem_v = (m.detach().to(dtype).expand(b, -1, -1, -1) for m in layer.mem_kv)
-    compressed_keys = buffer(rows, torch.cat((mem_k, cache.compressed_keys), dim=2))
-    compressed_values = buffer(rows, torch.cat((mem_v, cache.compressed_values), dim=2))
+    compressed_keys = _grown(torch.cat((mem_k, cache.compressed_keys), dim=2), rows)
+    compressed_values = _grown(torch.cat((mem_v, cache.compressed_values), dim=2), rows)
 
     # The buffer starts at the next window's first token: every token a future window
     # reads is in it or yet to come.
@@ -105,9 +116,7 @@ def static_cache(layer: SparseAttention, cache: SparseAttentionCache, capacity: 
     recent_keys[:, :, buffered] = cache.buffer_keys
     recent_values[:, :, buffered] = cache.buffer_values
     return StaticSparseAttentionCache(
-        position=torch.full((b,), seq_len, dtype=torch.int64, device=device),
-        keys=buffer(capacity, cache.keys),
-        values=buffer(capacity, cache.values),
+        **key_values,
         compressed_keys=compressed_keys,
         compressed_values=compressed_values,
         recent_keys=recent_keys,
@@ -115,19 +124,43 @@ def static_cache(layer: SparseAttention, cache: SparseAttentionCache, capacity: 
     )
 
 
-def cat_caches(caches: Sequence[StaticSparseAttentionCache]) -> StaticSparseAttentionCache:
+def static_key_values(keys: torch.Tensor, values: torch.Tensor, capacity: int) -> dict[str, torch.Tensor]:
+    """``StaticKVCache``'s fields for the cached ``keys, values: [b, hk, t, d]`` in buffers
+    of ``capacity`` tokens (an int above t, checked here: the layers' ``static_cache``
+    arguments)."""
+    if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool):
+        raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+    b, _, cached, _ = keys.shape
+    if capacity <= cached:
+        raise ValueError(f"capacity must exceed the {cached} cached tokens, got {capacity}")
+    return dict(position=torch.full((b,), cached, dtype=torch.int64, device=keys.device),
+                keys=_grown(keys, capacity), values=_grown(values, capacity))
+
+
+def _grown(prefix: torch.Tensor, rows: int) -> torch.Tensor:
+    """prefix: [b, h, t, d] at the start of zeros [b, h, rows, d]."""
+    out = prefix.new_zeros(*prefix.shape[:2], rows, prefix.shape[3])
+    out[:, :, : prefix.shape[2]] = prefix
+    return out
+
+
+def cat_caches(caches: Sequence[C]) -> C:
     """One cache whose batch rows are those of ``caches`` in order, each row keeping its
     position: the layer's cache for a batch of prompts of different lengths, each
-    prefilled alone (``Transformer.sample`` does this for a model). The caches must be of
-    one layer, with the same capacity, dtype and device."""
+    prefilled alone (``Transformer.sample`` does this for a model). ``caches``: static
+    caches of one layer (``StaticSparseAttentionCache``, or ``StaticFullAttentionCache``
+    of the dense layer), with the same capacity, dtype and device."""
     if not isinstance(caches, Sequence) or not caches:
-        raise TypeError("caches must be a non-empty sequence of StaticSparseAttentionCache")
+        raise TypeError("caches must be a non-empty sequence of static caches")
     for index, cache in enumerate(caches):
-        if not isinstance(cache, StaticSparseAttentionCache):
-            raise TypeError(f"caches[{index}] must be a StaticSparseAttentionCache, got {type(cache).__name__}")
+        if not isinstance(cache, StaticKVCache):
+            raise TypeError(f"caches[{index}] must be a static cache (StaticSparseAttentionCache, "
+                            f"StaticFullAttentionCache), got {type(cache).__name__}")
+        if type(cache) is not type(caches[0]):
+            raise TypeError(f"caches[{index}] is a {type(cache).__name__}, caches[0] a {type(caches[0]).__name__}")
     first = caches[0]
     for index, cache in enumerate(caches[1:], start=1):
-        for name in ("keys", "compressed_keys", "recent_keys"):
+        for name in (field.name for field in fields(first) if field.name != "position"):
             mine, theirs = getattr(cache, name), getattr(first, name)
             if (mine.shape[1:], mine.dtype, mine.device) != (theirs.shape[1:], theirs.dtype, theirs.device):
                 raise ValueError(
@@ -135,7 +168,7 @@ def cat_caches(caches: Sequence[StaticSparseAttentionCache]) -> StaticSparseAtte
                     f"{name} is {tuple(theirs.shape)} {theirs.dtype} on {theirs.device}: the caches must be of one "
                     "layer, with one capacity"
                 )
-    return StaticSparseAttentionCache(**{
+    return type(first)(**{
         field.name: torch.cat([getattr(cache, field.name) for cache in caches]) for field in fields(first)
     })
 
@@ -200,20 +233,22 @@ def _check(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAttention
         raise ValueError("a static cache decodes without gradients: call the layer under torch.no_grad()")
 
 
-def capture_step(step: Callable[[], T], caches: Sequence[StaticSparseAttentionCache],
-                 warmup_steps: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture_step(step: Callable[[], T], caches: Sequence, warmup_steps: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
     """Captures ``step``, a decoding step through ``caches`` (a model's, say, reading its
-    input from a fixed tensor), into a CUDA graph; returns the graph and what the
+    input from a fixed tensor; ``StaticSparseAttentionCache`` or the dense layer's
+    ``StaticFullAttentionCache``), into a CUDA graph; returns the graph and what the
     captured call returned, which every ``graph.replay()`` rewrites.
 
     The graph reads and writes the caches' buffers and the step's inputs in place: keep
     them alive as long as the graph, or their memory is reused under it. The warm-up runs
-    the step for real: the caches' positions and recent tokens are restored afterwards,
-    and whatever else it wrote sits in rows that each replay rewrites before reading them.
+    the step for real: what it changed that a later step reads (each cache's
+    ``step_state``: the positions, the sparse layer's recent tokens) is restored
+    afterwards, and whatever else it wrote sits in rows that each replay rewrites before
+    reading them.
     Autocast, if on, runs without its cast cache, whose copies of the weights would be
     freed when its context ends.
     """
-    saved = [(c.position.clone(), c.recent_keys.clone(), c.recent_values.clone()) for c in caches]
+    saved = [[t.clone() for t in cache.step_state] for cache in caches]
     if torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")
         inner = step
@@ -223,8 +258,7 @@ def capture_step(step: Callable[[], T], caches: Sequence[StaticSparseAttentionCa
                 return inner()
 
     graph, result = capture(step, warmup_steps)
-    for cache, (position, recent_keys, recent_values) in zip(caches, saved):
-        cache.position.copy_(position)
-        cache.recent_keys.copy_(recent_keys)
-        cache.recent_values.copy_(recent_values)
+    for cache, state in zip(caches, saved):
+        for tensor, before in zip(cache.step_state, state):
+            tensor.copy_(before)
     return graph, result

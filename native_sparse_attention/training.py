@@ -724,8 +724,9 @@ class Trainer:
     def _sample(self, step: int) -> None:
         seed = self.config.seed + step
         text = None
-        # Sparse layers on the Triton kernels decode from CUDA graphs too, where the steps do.
-        if self.cuda_graph and self.backend == "triton":
+        # The samples decode from CUDA graphs too, where the steps do and the layers can (full
+        # attention, or sparse layers on the Triton kernels).
+        if self.cuda_graph and self.model.has_graphable_decoding():
             text = self._try_graph(lambda: generate_sample(self.model, self.prompt, self.config, seed, True),
                                    " of a decoding step", "sampling eagerly")
         if text is None:

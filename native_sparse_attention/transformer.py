@@ -223,8 +223,8 @@ class Transformer(nn.Module):
         Sampling keeps the top ``1 - filter_thres`` fraction of the logits; ``temperature=0``
         is greedy decoding. Returns only the generated tokens, ``[b, seq_len - p]``.
         ``use_cache_kv`` decodes one token per step through the layers' caches;
-        ``use_cuda_graph`` also captures that step in a CUDA graph and replays it (CUDA
-        and sparse layers on the Triton kernels only), after a prefill of the prompt.
+        ``use_cuda_graph`` also captures that step in a CUDA graph and replays it (CUDA,
+        with any sparse layers on the Triton kernels), after a prefill of the prompt.
         ``on_token`` is called with each step's tokens, ``[b]`` (streaming them out).
 
         ``prompt`` may also be a list of 1-d prompts of different lengths, decoded as one
@@ -233,9 +233,9 @@ class Transformer(nn.Module):
         (``seq_len - p_i`` tokens each). The batch runs until its last row is done;
         ``on_token`` sees -1 for rows already complete. Through caches each prompt is
         prefilled alone and the rows decode at their own positions
-        (``static_cache.cat_caches``), which needs sparse layers on the Triton kernels (CUDA,
-        or ``TRITON_INTERPRET=1``); without caches each step reads the batch padded on the
-        right, which causal layers never see.
+        (``static_cache.cat_caches``), which needs the sparse layers on the Triton kernels
+        (CUDA, or ``TRITON_INTERPRET=1``; full attention decodes so anywhere); without
+        caches each step reads the batch padded on the right, which causal layers never see.
         """
         if not self.causal:
             raise ValueError("sample needs a causal model")
@@ -286,9 +286,9 @@ class Transformer(nn.Module):
         if use_cuda_graph:
             self._check_graphable(prompts[0][None])
         elif use_cache_kv and not self.has_graphable_decoding():
-            raise ValueError("prompts of different lengths decode through caches only with sparse attention layers "
-                             "on the Triton kernels (use_triton_kernel=True); without caches (use_cache_kv=False) "
-                             "any model decodes them")
+            raise ValueError("prompts of different lengths decode through caches only where the sparse attention "
+                             "layers run on the Triton kernels (use_triton_kernel=True); without caches "
+                             "(use_cache_kv=False) any model decodes them")
         device = prompts[0].device
         lengths = torch.tensor([len(p) for p in prompts])
         wanted = (seq_lens - lengths).clamp(min=0)
@@ -353,8 +353,8 @@ class Transformer(nn.Module):
 
     def has_graphable_decoding(self) -> bool:
         """Whether ``sample(..., use_cuda_graph=True)`` can run on CUDA ids: every attention
-        layer sparse, on the Triton kernels."""
-        return all(isinstance(attn, SparseAttention) and attn.use_triton_kernel for attn, _ in self.layers)
+        layer has static caches (``static_cache``), the sparse ones on the Triton kernels."""
+        return all(isinstance(attn, FullAttention) or attn.use_triton_kernel for attn, _ in self.layers)
 
     def _check_graphable(self, ids: torch.Tensor) -> None:
         if not ids.is_cuda:

@@ -16,6 +16,8 @@ import torch
 from native_sparse_attention import SparseAttention, sparse_attention
 from native_sparse_attention.kernels import selection as selection_kernels
 
+from joined_decoding import decode_joined
+
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
@@ -350,26 +352,13 @@ def test_joined_static_caches_decode_each_row_at_its_own_position_interpreted(mo
     incomplete compression windows, selection blocks of their own) and joined by
     ``cat_caches`` decode together: each row's outputs are the PyTorch path's at its own
     positions."""
-    from native_sparse_attention.static_cache import cat_caches
-
     torch.manual_seed(8)
     fast, reference = _sharpened_pair(monkeypatch, SMALL_CONFIG, causal=True, num_compressed_mem_kv=2)
     lengths, steps = (13, 5, 22), 6
     x = torch.randn(len(lengths), 34, SMALL_CONFIG["dim"])
     with torch.no_grad():
         expected = reference(x)
-        caches = []
-        for row, length in enumerate(lengths):
-            _, cache = fast(x[row:row + 1, :length], return_cache=True)
-            caches.append(fast.static_cache(cache, 30))
-        static = cat_caches(caches)
-        assert static.position.tolist() == list(lengths)
-        outputs = []
-        for t in range(steps):
-            tokens = torch.stack([x[row, length + t] for row, length in enumerate(lengths)])[:, None]
-            outputs.append(fast(tokens, cache=static))
-    assert static.position.tolist() == [length + steps for length in lengths]
-    decoded = torch.cat(outputs, dim=1)
+    decoded, _ = decode_joined(fast, x, lengths, steps, capacity=30)
     for row, length in enumerate(lengths):
         assert _relative_error(decoded[row], expected[row, length:length + steps]) < 1e-5
 
@@ -385,7 +374,7 @@ def test_cat_caches_rejects_caches_of_other_shapes():
     assert cat_caches([static]).position.tolist() == [9]
     with pytest.raises(ValueError, match="one capacity"):
         cat_caches([static, layer.static_cache(cache, 20)])
-    with pytest.raises(TypeError, match=r"caches\[1\] must be a StaticSparseAttentionCache"):
+    with pytest.raises(TypeError, match=r"caches\[1\] must be a static cache"):
         cat_caches([static, cache])
     with pytest.raises(TypeError, match="non-empty sequence"):
         cat_caches([])

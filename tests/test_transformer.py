@@ -10,6 +10,9 @@ import torch
 
 from native_sparse_attention import FullAttention, SparseAttention, Transformer
 from native_sparse_attention import static_cache as static_cache_module
+from native_sparse_attention.static_cache import cat_caches
+
+from joined_decoding import decode_joined
 from native_sparse_attention.transformer import top_k_filter
 
 SPARSE_KWARGS = dict(
@@ -70,6 +73,9 @@ def test_prompts_of_different_lengths_decode_as_one_batch(use_sparse_attn):
     # A prompt as long as seq_len gets nothing; temperature > 0 draws.
     drawn = model.sample([prompts[0], torch.randint(0, 64, (20,))], 20, temperature=1.0)
     assert [len(g) for g in drawn] == [17, 0]
+    if not use_sparse_attn:  # full attention's static caches are plain PyTorch
+        cached = model.sample(prompts, 20, temperature=0.0, use_cache_kv=True)
+        assert all(torch.equal(mine, uncached) for mine, uncached in zip(cached, got))
     # One final length per prompt.
     shorter = model.sample(prompts, [8, 20, 13], temperature=0.0)
     assert [len(g) for g in shorter] == [5, 2, 4]
@@ -118,7 +124,7 @@ def test_cuda_graph_sampling_needs_cuda_and_triton_layers():
     triton_kwargs = {**SPARSE_KWARGS, "selection_block_size": 16, "use_triton_kernel": True}
     assert make_model(sparse_attn_kwargs=triton_kwargs).has_graphable_decoding()
     assert not make_model().has_graphable_decoding()
-    assert not make_model(use_sparse_attn=False).has_graphable_decoding()
+    assert make_model(use_sparse_attn=False).has_graphable_decoding()  # static caches of plain PyTorch
     prompt = torch.randint(0, 64, (1, 5))
     with pytest.raises(ValueError, match="CUDA"):
         make_model().sample(prompt, 9, use_cuda_graph=True)
@@ -129,10 +135,11 @@ def test_cuda_graph_sampling_needs_cuda_and_triton_layers():
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="interpreter only")
-def test_graphed_steps_equal_cached_steps_interpreted(monkeypatch):
+@pytest.mark.parametrize("use_sparse_attn", [True, False])
+def test_graphed_steps_equal_cached_steps_interpreted(monkeypatch, use_sparse_attn):
     """The model's graphed decoding step with the capture replaced by plain calls (the
     interpreter has no graphs): its static caches stay alive with it, and its logits equal
-    those of eager cached steps."""
+    those of eager cached steps; with sparse layers and with full attention."""
 
     class Replayed:
         def __init__(self, step):
@@ -148,7 +155,7 @@ def test_graphed_steps_equal_cached_steps_interpreted(monkeypatch):
         return graph, graph.out
 
     monkeypatch.setattr(static_cache_module, "capture", run_instead_of_capturing)
-    model = make_model(sparse_attn_kwargs=dict(
+    model = make_model(use_sparse_attn, sparse_attn_kwargs=dict(
         sliding_window_size=16, compress_block_size=8, compress_block_sliding_stride=4,
         selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True,
     )).eval()
@@ -165,10 +172,11 @@ def test_graphed_steps_equal_cached_steps_interpreted(monkeypatch):
             torch.testing.assert_close(graphed, cached, atol=1e-5, rtol=1e-5)
 
 
-def _cuda_triton_model():
+def _cuda_model(use_sparse_attn=True):
     torch.manual_seed(0)
     return Transformer(
-        num_tokens=64, dim=64, depth=2, heads=4, dim_head=16, kv_heads=2, sparse_attn_kwargs=dict(
+        num_tokens=64, dim=64, depth=2, heads=4, dim_head=16, kv_heads=2, use_sparse_attn=use_sparse_attn,
+        sparse_attn_kwargs=dict(
             sliding_window_size=32, compress_block_size=16, compress_block_sliding_stride=8,
             selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True,
         ),
@@ -178,9 +186,11 @@ def _cuda_triton_model():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("autocast", [False, True])
-def test_cuda_graph_steps_equal_cached_steps(autocast):
-    """The logits of graph replays against those of eager cached steps, token for token."""
-    model = _cuda_triton_model()
+@pytest.mark.parametrize("use_sparse_attn", [True, False])
+def test_cuda_graph_steps_equal_cached_steps(autocast, use_sparse_attn):
+    """The logits of graph replays against those of eager cached steps, token for token,
+    for sparse layers on the Triton kernels and for full attention."""
+    model = _cuda_model(use_sparse_attn)
     ids = torch.randint(0, 64, (2, 237), device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         _, caches = model(ids[:, :37], return_caches=True)
@@ -196,11 +206,13 @@ def test_cuda_graph_steps_equal_cached_steps(autocast):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("autocast", [False, True])
-def test_prompts_of_different_lengths_replay_from_a_cuda_graph(autocast):
-    """Rows at their own positions in one captured step: in float32 each row's greedy
-    continuation is the one it gets alone; under bf16 autocast, where the batch's size
-    changes the matmuls' rounding, the replayed steps give the eager steps' tokens."""
-    model = _cuda_triton_model()
+@pytest.mark.parametrize("use_sparse_attn", [True, False])
+def test_prompts_of_different_lengths_replay_from_a_cuda_graph(autocast, use_sparse_attn):
+    """Rows at their own positions in one captured step, of sparse or full attention: in
+    float32 each row's greedy continuation is the one it gets alone; under bf16 autocast,
+    where the batch's size changes the matmuls' rounding, the replayed steps give the
+    eager steps' tokens."""
+    model = _cuda_model(use_sparse_attn)
     prompts = [torch.randint(0, 64, (n,), device="cuda") for n in (37, 301, 150, 16)]
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         got = model.sample(prompts, 420, temperature=0.0, use_cuda_graph=True)
@@ -222,6 +234,53 @@ def test_full_attention_continues_from_a_cache(chunk):
     out, cache = attn(x[:, 7:7 + chunk], cache=cache, return_cache=True)
     torch.testing.assert_close(out, attn(x[:, :7 + chunk])[:, 7:])
     assert cache.seq_len == 7 + chunk
+
+
+def test_full_attention_static_cache_decodes_rows_at_their_own_positions():
+    """Rows prefilled alone to 5, 12 and 9 tokens, joined, then decoded together one token
+    per step: each row's outputs are those of the whole sequence at its positions."""
+    torch.manual_seed(0)
+    attn = FullAttention(dim=32, dim_head=8, heads=4, kv_heads=2).eval()
+    lengths, steps = (5, 12, 9), 6
+    x = torch.randn(3, 20, 32)
+    with torch.no_grad():
+        expected = attn(x)
+    decoded, _ = decode_joined(attn, x, lengths, steps, capacity=20)
+    for row, length in enumerate(lengths):
+        torch.testing.assert_close(decoded[row], expected[row, length:length + steps], atol=1e-5, rtol=1e-5)
+
+
+def test_full_attention_static_cache_rejects_what_it_cannot_decode():
+    attn = FullAttention(dim=32, dim_head=8, heads=4, kv_heads=2)
+    with torch.no_grad():
+        _, cache = attn(torch.randn(1, 9, 32), return_cache=True)
+    with pytest.raises(ValueError, match="capacity"):
+        attn.static_cache(cache, 9)
+    with pytest.raises(TypeError, match="capacity"):
+        attn.static_cache(cache, 16.0)
+    with pytest.raises(TypeError, match="FullAttentionCache"):
+        attn.static_cache(static_cache_module, 16)
+    with pytest.raises(ValueError, match="causal"):
+        FullAttention(dim=32, dim_head=8, heads=4, causal=False).static_cache(cache, 16)
+    static = attn.static_cache(cache, 16)
+    with pytest.raises(ValueError, match="no_grad"):
+        attn(torch.randn(1, 1, 32), cache=static)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="one token"):
+            attn(torch.randn(1, 2, 32), cache=static)
+        with pytest.raises(ValueError, match="in place"):
+            attn(torch.randn(1, 1, 32), cache=static, return_cache=True)
+    with pytest.raises(TypeError, match=r"caches\[1\] is a StaticFullAttentionCache"):
+        cat_caches([_sparse_static_cache(), static])
+
+
+def _sparse_static_cache():
+    layer = SparseAttention(dim=32, dim_head=8, heads=4, kv_heads=2, sliding_window_size=4, compress_block_size=8,
+                            compress_block_sliding_stride=4, selection_block_size=16, num_selected_blocks=1,
+                            causal=True, use_triton_kernel=True)
+    with torch.no_grad():
+        _, cache = layer(torch.randn(1, 9, 32), return_cache=True)
+    return layer.static_cache(cache, 16)
 
 
 @pytest.mark.gpu
