@@ -2,7 +2,7 @@
 
 Configuration: the layer benchmark's (``bench_layer.py``: dim 2048, 32 query heads on 2 kv
 heads of dim 64, sliding window 512, compression 32 / stride 16, selection blocks of 64, 16
-selected), bf16 autocast, batch 1, no autograd. A prefill of n tokens builds each layer's
+selected), bf16 autocast, batch 1 (``--batch``), no autograd. A prefill of n tokens builds each layer's
 cache; then every step feeds the next token with the cache: eagerly, and through a static
 cache (``StaticSparseAttentionCache``, the dense layer's ``StaticFullAttentionCache``) with
 the step captured in a CUDA graph and replayed; for NSA also with the layer converted to
@@ -11,6 +11,7 @@ steps run back to back (what generation sees: the host issues one step while the
 the last), and the CUDA kernel time and kernel count of one step (torch.profiler).
 
     python benchmarks/bench_decode.py           # table + docs/benchmarks.md "decode"
+    python benchmarks/bench_decode.py --batch 8 --cached-lens 16384 65536   # section "decode-batch8"
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _timed(step: Callable[[], None]) -> DecodeTiming:
     return DecodeTiming(wall_ms, sum(e.device_time for e in kernels) / 1e3, len(kernels))
 
 
-def measure(kind: str, n: int) -> DecodeTiming:
+def measure(kind: str, n: int, batch: int = 1) -> DecodeTiming:
     """Per-token decoding time of a freshly seeded layer after a prefill of n tokens:
     ``kind`` is one of KINDS: "dense_graph" and "nsa_graph" replay a captured step under
     autocast, "nsa_graph_bf16" the NSA step of the layer converted to bf16, without
@@ -77,7 +78,7 @@ def measure(kind: str, n: int) -> DecodeTiming:
     if bf16_layer:
         layer = layer.to(torch.bfloat16)
     steps = WARMUP_STEPS + TIMED_RUNS * TIMED_STEPS + 1
-    x = torch.randn(1, n + steps, DIM, device="cuda", dtype=torch.bfloat16 if bf16_layer else torch.float32)
+    x = torch.randn(batch, n + steps, DIM, device="cuda", dtype=torch.bfloat16 if bf16_layer else torch.float32)
     tokens = iter(range(n, x.shape[1]))
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=not bf16_layer):
         _, cache = layer(x[:, :n], return_cache=True)
@@ -102,23 +103,26 @@ def measure(kind: str, n: int) -> DecodeTiming:
     return timing
 
 
-def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
+def report(results: dict[int, dict[str, DecodeTiming]], batch: int) -> str:
     rows = []
     for n, timings in results.items():
         row = [n]
         for kind in KINDS:
             row += [f"{timings[kind].wall_ms:.2f}", f"{timings[kind].gpu_ms:.3f}", timings[kind].kernels]
         rows.append(row)
+    unit = "token" if batch == 1 else "step"
     header = ["cached tokens"]
     for name in KIND_NAMES:
-        header += [f"{name} ms / token", f"{name} GPU ms", f"{name} kernels"]
+        header += [f"{name} ms / {unit}", f"{name} GPU ms", f"{name} kernels"]
     return "\n".join([
-        "## Decoding (`benchmarks/bench_decode.py`)",
+        "## Decoding (`benchmarks/bench_decode.py`)" if batch == 1 else
+        f"## Decoding a batch of {batch} (`benchmarks/bench_decode.py --batch {batch}`)",
         "",
         environment_line(),
         "",
-        "One layer of the layer benchmark's configuration, bf16 autocast, batch 1, no autograd: after a prefill "
-        "of n tokens, one token per step through the layer's cache. ms / token: wall time per step over "
+        f"One layer of the layer benchmark's configuration, bf16 autocast, batch {batch}, no autograd: after a prefill "
+        f"of n tokens, one token per {'step' if batch == 1 else 'row and step'} through the layer's cache. "
+        f"ms / {unit}: wall time per step over "
         f"{TIMED_STEPS} steps run back to back, the median of {TIMED_RUNS} such runs; GPU ms and kernels: CUDA kernel time and launches of one step. "
         "NSA decodes on its Triton kernels (the compressed branch and block selection, then the selected and "
         "sliding branches in one launch). Eager steps of both layers are bound by the host issuing their "
@@ -136,16 +140,17 @@ def report(results: dict[int, dict[str, DecodeTiming]]) -> str:
 def main() -> None:
     parser = benchmark_arguments(__doc__)
     parser.add_argument("--cached-lens", type=int, nargs="+", default=list(CACHED_LENS))
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
     args = parser.parse_args()
     require_cuda(parser)
     results = {}
     for n in args.cached_lens:
-        results[n] = {kind: measure(kind, n) for kind in KINDS}
+        results[n] = {kind: measure(kind, n, args.batch) for kind in KINDS}
         print(f"n={n}: {results[n]}", flush=True)
-    markdown = report(results)
+    markdown = report(results, args.batch)
     print(markdown)
     if not args.no_write:
-        write_section("decode", markdown)
+        write_section("decode" if args.batch == 1 else f"decode-batch{args.batch}", markdown)
 
 
 if __name__ == "__main__":
