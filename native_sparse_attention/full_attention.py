@@ -13,7 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 from native_sparse_attention.compress import plain_linear
 from native_sparse_attention.documents import checked_document_bounds
 from native_sparse_attention.layer_input import check_layer_input
-from native_sparse_attention.rotary import RotaryEmbedding, split_qkv_heads
+from native_sparse_attention.rotary import RotaryEmbedding, rotated_query_and_key_heads, split_qkv_heads
 from native_sparse_attention.static_cache import StaticKVCache, static_key_values
 
 __all__ = ["FullAttention", "FullAttentionCache", "StaticFullAttentionCache"]
@@ -111,16 +111,18 @@ class FullAttention(nn.Module):
             raise ValueError(f"a static cache decodes one token per step, got x with seq_len {x.shape[1]}")
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             raise ValueError("a static cache decodes without gradients: call the layer under torch.no_grad()")
-        q, k, v, _ = split_qkv_heads(self._project(self._normed(x)), self.heads, self.kv_heads, self.dim_head)
+        qkv = self._project(self._normed(x))
+        _, _, v, _ = split_qkv_heads(qkv, self.heads, self.kv_heads, self.dim_head)
         position, dtype = cache.position, cache.keys.dtype
-        rk = self.rotary.at(k, position)
+        rq, rk = rotated_query_and_key_heads(qkv, self.heads, self.kv_heads, self.dim_head,
+                                             lambda heads: self.rotary.at(heads, position))
         # scatter_ checks the positions against the capacity on the device.
         rows = position.view(-1, 1, 1, 1).expand_as(rk)
         cache.keys.scatter_(2, rows, rk.to(dtype))
         cache.values.scatter_(2, rows, v.to(dtype))
         visible = torch.arange(cache.capacity, device=x.device) <= position[:, None]
         out = F.scaled_dot_product_attention(
-            self.rotary.at(q, position).to(dtype), cache.keys, cache.values, attn_mask=visible[:, None, None],
+            rq.to(dtype), cache.keys, cache.values, attn_mask=visible[:, None, None],
             enable_gqa=self.heads != self.kv_heads,
         )
         position.add_(1)

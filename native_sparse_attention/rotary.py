@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from einops import rearrange
 from torch import nn
@@ -18,6 +20,17 @@ def split_qkv_heads(qkv: torch.Tensor, heads: int, kv_heads: int, dim_head: int)
     q = rearrange(q, "b n (h d) -> b h n d", h=heads)
     k, v = (rearrange(t, "b n (h d) -> b h n d", h=kv_heads) for t in (k, v))
     return q, k, v, rest
+
+
+def rotated_query_and_key_heads(qkv: torch.Tensor, heads: int, kv_heads: int, dim_head: int,
+                                rotate: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """rq: [b, heads, n, d], rk: [b, kv_heads, n, d], the query and key heads of ``qkv``
+    (``split_qkv_heads``' layout, where the key heads follow the query heads) rotated by
+    one call of ``rotate: [b, heads + kv_heads, n, d] -> the same rotated``: one launch
+    for both in a decoding step."""
+    query_and_key_heads = rearrange(qkv[..., : (heads + kv_heads) * dim_head], "b n (h d) -> b h n d", d=dim_head)
+    rotated = rotate(query_and_key_heads)
+    return rotated.split((heads, kv_heads), dim=1)
 
 
 class RotaryEmbedding(nn.Module):

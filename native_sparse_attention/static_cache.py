@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from native_sparse_attention.cuda_graph import capture
-from native_sparse_attention.rotary import split_qkv_heads
+from native_sparse_attention.rotary import rotated_query_and_key_heads, split_qkv_heads
 from native_sparse_attention.selection import num_compressed_blocks
 
 if TYPE_CHECKING:
@@ -185,8 +185,10 @@ def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAtte
     _check(layer, x, cache)
     position = cache.position
     x_normed = normed_for_projection(layer.norm, x)
-    q, k, v, _ = split_qkv_heads(layer.to_qkv(x_normed), layer.heads, layer.kv_heads, layer.dim_head)
-    rq, rk = (rotate_at(t, layer.rotary.inv_freq, position) for t in (q, k))
+    qkv = layer.to_qkv(x_normed)
+    q, k, v, _ = split_qkv_heads(qkv, layer.heads, layer.kv_heads, layer.dim_head)
+    rq, rk = rotated_query_and_key_heads(qkv, layer.heads, layer.kv_heads, layer.dim_head,
+                                         lambda heads: rotate_at(heads, layer.rotary.inv_freq, position))
     gates = layer._gates(layer.to_gates[0](x_normed))
     _write(layer, cache, rk, k, v)
 

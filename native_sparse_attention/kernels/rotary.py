@@ -250,12 +250,15 @@ def _launch_rotary(t: torch.Tensor, inv_freq: torch.Tensor, offset: int | torch.
     out = new_heads_tensor(t, tokens_major, lambda shape: _empty(shape, t.dtype, t.device))
     if out.numel() == 0:
         return out
-    grid = (cdiv(n, _BLOCK_N), b * cdiv(h, _HEADS_PER_PROGRAM))
+    # Fewer tokens than a tile (decoding steps): one head per program and no padded rows,
+    # since the sines and cosines of so few rows cost less than a longer chain of heads.
+    block_n, heads = (_BLOCK_N, _HEADS_PER_PROGRAM) if n >= _BLOCK_N else (next_power_of_2(n), 1)
+    grid = (cdiv(n, block_n), b * cdiv(h, heads))
     start, start_ptr, in_memory = position_in_memory(offset, inv_freq)
     launch(_rotary_kernel, grid,
         t, out, inv_freq, *t.stride(), *out.stride()[:3], h, n, start, start_ptr,
-        HALF=d // 2, BLOCK_N=_BLOCK_N, BLOCK_HALF=next_power_of_2(d // 2),
-        HEADS=_HEADS_PER_PROGRAM, INVERSE=inverse, OFFSET_IN_MEMORY=in_memory,
+        HALF=d // 2, BLOCK_N=block_n, BLOCK_HALF=next_power_of_2(d // 2),
+        HEADS=heads, INVERSE=inverse, OFFSET_IN_MEMORY=in_memory,
     )
     return out
 
