@@ -213,18 +213,17 @@ def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAtte
 def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) -> None:
     """Writes the token's keys and values ([b, hk, 1, d] each) at ``cache.position`` and
     compresses the window ending there into its row (the spare row if incomplete)."""
-    from native_sparse_attention.kernels.cache_write import write_compressed_row, write_ring_and_read_window
+    from native_sparse_attention.kernels.cache_write import write_compressed_rows, write_rings_and_read_windows
 
     position, dtype = cache.position, cache.keys.dtype
     # scatter_ checks the positions against the capacity on the device.
     rows = position.view(-1, 1, 1, 1).expand_as(rk)
     cache.keys.scatter_(2, rows, rk.to(dtype))
     cache.values.scatter_(2, rows, v.to(dtype))
-    recent_k = write_ring_and_read_window(position, k, cache.recent_keys)
-    recent_v = write_ring_and_read_window(position, v, cache.recent_values)
+    recent_k, recent_v = write_rings_and_read_windows(position, k, v, cache.recent_keys, cache.recent_values)
     new_ck, new_cv = layer._compress_windows(recent_k, recent_v)
-    for new, buffer in ((new_ck, cache.compressed_keys), (new_cv, cache.compressed_values)):
-        write_compressed_row(position, new, buffer, layer.num_mem, layer.compress_block_size, layer.compress_stride)
+    write_compressed_rows(position, new_ck, new_cv, cache.compressed_keys, cache.compressed_values, layer.num_mem,
+                          layer.compress_block_size, layer.compress_stride)
 
 
 def _check(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAttentionCache) -> None:

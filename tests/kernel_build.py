@@ -91,7 +91,7 @@ def _steps() -> None:
 
 
 def _direct_calls() -> None:
-    from native_sparse_attention.kernels.cache_write import write_compressed_row, write_ring_and_read_window
+    from native_sparse_attention.kernels.cache_write import write_compressed_rows, write_rings_and_read_windows
     from native_sparse_attention.kernels.compressed import compressed_attend_and_select_at
     from native_sparse_attention.kernels.compress_mlp import relu_mlp
     from native_sparse_attention.kernels.projection import project
@@ -110,8 +110,8 @@ def _direct_calls() -> None:
     qkv = torch.randn(2, 8, (4 + 2 * 2) * 32 + 8, dtype=dtype, requires_grad=True)
     sum(t.float().sum() for t in split_heads_and_rotate(qkv, 4, 2, inv_freq)).backward()
     position, token = torch.tensor([5, 9]), torch.randn(2, 2, 1, 32, dtype=dtype)
-    write_ring_and_read_window(position, token, torch.zeros(2, 2, 8, 32, dtype=dtype))
-    write_compressed_row(position, token, torch.zeros(2, 2, 6, 32, dtype=dtype), 1, 4, 2)
+    write_rings_and_read_windows(position, token, token, *torch.zeros(2, 2, 2, 8, 32, dtype=dtype))
+    write_compressed_rows(position, token, token, *torch.zeros(2, 2, 2, 6, 32, dtype=dtype), 1, 4, 2)
     # One query on one kv head: few programs, so the key tiles and selection blocks split.
     query, keys = torch.randn(1, 2, 1, 32, dtype=dtype), torch.randn(1, 1, 70, 32, dtype=dtype)
     compressed_attend_and_select_at(query, keys, keys, torch.tensor([500]), 16, 8, 1, 32, 2, share_selection=True)

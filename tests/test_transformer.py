@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from native_sparse_attention import FullAttention, SparseAttention, Transformer
+from native_sparse_attention import FullAttention, SparseAttention, StaticSparseAttentionCache, Transformer
 from native_sparse_attention import static_cache as static_cache_module
 from native_sparse_attention.static_cache import cat_caches
 
@@ -270,17 +270,9 @@ def test_full_attention_static_cache_rejects_what_it_cannot_decode():
             attn(torch.randn(1, 2, 32), cache=static)
         with pytest.raises(ValueError, match="in place"):
             attn(torch.randn(1, 1, 32), cache=static, return_cache=True)
+    sparse = StaticSparseAttentionCache(*static.step_state, static.keys, static.values, *[static.keys] * 4)
     with pytest.raises(TypeError, match=r"caches\[1\] is a StaticFullAttentionCache"):
-        cat_caches([_sparse_static_cache(), static])
-
-
-def _sparse_static_cache():
-    layer = SparseAttention(dim=32, dim_head=8, heads=4, kv_heads=2, sliding_window_size=4, compress_block_size=8,
-                            compress_block_sliding_stride=4, selection_block_size=16, num_selected_blocks=1,
-                            causal=True, use_triton_kernel=True)
-    with torch.no_grad():
-        _, cache = layer(torch.randn(1, 9, 32), return_cache=True)
-    return layer.static_cache(cache, 16)
+        cat_caches([sparse, static])
 
 
 @pytest.mark.gpu

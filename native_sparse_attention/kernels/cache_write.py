@@ -13,15 +13,18 @@ SPARE_ROW: the last row of the compressed buffers, where windows that are not co
 
 Kernels
 -------
-``_ring_window_kernel``: puts the token's keys and values into their ring slot and reads
-back the window of WINDOW tokens ending at it, oldest first, as the compression input.
-``_compressed_row_kernel``: writes that window's compressed key and value into its row when
-the window is complete (its first token a multiple of STRIDE), into SPARE_ROW otherwise.
+Each takes a pair of tensors, the keys' and the values' (program axis 1 picks one).
+``_ring_window_kernel``: puts the token's key and value into their ring slots and reads
+back the windows of WINDOW tokens ending at it, oldest first, as the compression input.
+``_compressed_row_kernel``: writes those windows' compressed key and value into their row
+when the window is complete (its first token a multiple of STRIDE), into SPARE_ROW
+otherwise.
 
-Their four launches per step replace some twenty PyTorch ops on the position and single
-rows (modulo, comparisons, ``index_copy_``, ``index_select``), each a kernel of its own
-in a replayed step: 61 -> 44 kernels and 0.233 -> 0.200 ms per replayed step of the layer
-benchmark's configuration at 64k cached tokens on an H100.
+Their launches replace some twenty PyTorch ops on the position and single rows (modulo,
+comparisons, ``index_copy_``, ``index_select``), each a kernel of its own in a replayed
+step: 61 -> 44 kernels and 0.233 -> 0.200 ms per replayed step of the layer benchmark's
+configuration at 64k cached tokens on an H100, when they were four launches (one per
+tensor); two, from 34 to 32 kernels.
 """
 
 from __future__ import annotations
@@ -33,26 +36,36 @@ import triton.language as tl
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import head_pointer, next_power_of_2
 
-__all__ = ["write_compressed_row", "write_ring_and_read_window"]
+__all__ = ["write_compressed_rows", "write_rings_and_read_windows"]
+
+
+@triton.jit
+def _pick(which, FIRST, SECOND):
+    """FIRST for program row 0 of axis 1, SECOND for row 1."""
+    if which == 0:
+        return FIRST
+    return SECOND
 
 
 @triton.jit
 def _ring_window_kernel(
-    POSITION, NEW, RING, WINDOW_OUT,
+    POSITION, NEW_K, NEW_V, RING_K, RING_V, WINDOW_OUT,
     stride_nz, stride_nh, stride_rz, stride_rh, stride_rn,
-    H,
+    Z, H,
     WINDOW: tl.constexpr, BLOCK_W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # NEW: [Z, H, 1, D] (unit stride on D); RING: [Z, H, WINDOW, D] (unit stride on D);
-    # WINDOW_OUT: [Z, H, WINDOW, D], contiguous. One program per (z, h).
-    zh = tl.program_id(0)
+    # NEW_K, NEW_V: [Z, H, 1, D] (unit stride on D; the same strides); RING_K, RING_V: [Z, H,
+    # WINDOW, D] (the same); WINDOW_OUT: [2, Z, H, WINDOW, D], contiguous. Program (z * H + h,
+    # which): the keys (0) or the values (1) of (z, h).
+    zh, which = tl.program_id(0), tl.program_id(1)
     z, h = zh // H, zh % H
     position = tl.load(POSITION + z)
     offs_w = tl.arange(0, BLOCK_W)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    new = tl.load(head_pointer(NEW, z, h, stride_nz, stride_nh) + offs_d, mask=d_ok, other=0.0)
-    ring = head_pointer(RING, z, h, stride_rz, stride_rh)
+    new_token = head_pointer(_pick(which, NEW_K, NEW_V), z, h, stride_nz, stride_nh)
+    new = tl.load(new_token + offs_d, mask=d_ok, other=0.0)
+    ring = head_pointer(_pick(which, RING_K, RING_V), z, h, stride_rz, stride_rh)
 
     # Window row t holds token position - WINDOW + 1 + t; the last is the new token, whose
     # slot the ring still holds the token WINDOW steps back in.
@@ -61,21 +74,22 @@ def _ring_window_kernel(
     rows = tl.load(ring + slots[:, None] * stride_rn + offs_d[None, :],
                    mask=older[:, None] & d_ok[None, :], other=0.0)
     rows = tl.where(older[:, None], rows, new[None, :].to(rows.dtype))
-    out = WINDOW_OUT + zh.to(tl.int64) * WINDOW * D
+    out = WINDOW_OUT + (which.to(tl.int64) * Z * H + zh) * WINDOW * D
     tl.store(out + offs_w[:, None] * D + offs_d[None, :], rows,
              mask=(offs_w[:, None] < WINDOW) & d_ok[None, :])
-    tl.store(ring + (position % WINDOW) * stride_rn + offs_d, new.to(RING.dtype.element_ty), mask=d_ok)
+    tl.store(ring + (position % WINDOW) * stride_rn + offs_d, new.to(RING_K.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
 def _compressed_row_kernel(
-    POSITION, NEW, BUFFER,
+    POSITION, NEW_K, NEW_V, BUFFER_K, BUFFER_V,
     stride_nz, stride_nh, stride_bz, stride_bh, stride_bn,
     H, NUM_MEM, WINDOW, STRIDE, SPARE_ROW,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # NEW: [Z, H, 1, D]; BUFFER: [Z, H, SPARE_ROW + 1, D] (unit stride on D for both).
-    zh = tl.program_id(0)
+    # NEW_K, NEW_V: [Z, H, 1, D] (the same strides); BUFFER_K, BUFFER_V: [Z, H, SPARE_ROW + 1,
+    # D] (the same); unit stride on D. Program (z * H + h, which) as in _ring_window_kernel.
+    zh, which = tl.program_id(0), tl.program_id(1)
     z, h = zh // H, zh % H
     start = tl.load(POSITION + z) + 1 - WINDOW
     row = NUM_MEM + start // STRIDE
@@ -84,9 +98,9 @@ def _compressed_row_kernel(
     row = tl.where(complete, row, SPARE_ROW)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    new = tl.load(head_pointer(NEW, z, h, stride_nz, stride_nh) + offs_d, mask=d_ok)
-    tl.store(head_pointer(BUFFER, z, h, stride_bz, stride_bh) + row.to(tl.int64) * stride_bn + offs_d,
-             new.to(BUFFER.dtype.element_ty), mask=d_ok)
+    new = tl.load(head_pointer(_pick(which, NEW_K, NEW_V), z, h, stride_nz, stride_nh) + offs_d, mask=d_ok)
+    buffer = head_pointer(_pick(which, BUFFER_K, BUFFER_V), z, h, stride_bz, stride_bh)
+    tl.store(buffer + row.to(tl.int64) * stride_bn + offs_d, new.to(BUFFER_K.dtype.element_ty), mask=d_ok)
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -94,29 +108,37 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def write_ring_and_read_window(position: torch.Tensor, new: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
-    """Writes ``new: [b, h, 1, d]``, the token at ``position: [b]`` (int64, each row's),
-    into ``ring: [b, h, window, d]`` (slot ``position % window``) and returns the window
-    ending at it, oldest token first: ``[b, h, 1, window, d]`` in the ring's dtype."""
-    b, h, window, d = ring.shape
-    assert new.shape == (b, h, 1, d) and new.stride(-1) == 1 and ring.stride(-1) == 1
-    out = _empty((b, h, 1, window, d), ring.dtype, ring.device)
-    launch(_ring_window_kernel, (b * h,),
-        position, new, ring, out, new.stride(0), new.stride(1), *ring.stride()[:3], h,
+def write_rings_and_read_windows(position: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+                                 ring_k: torch.Tensor, ring_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes ``new_k, new_v: [b, h, 1, d]``, the token at ``position: [b]`` (int64, each
+    row's), into ``ring_k, ring_v: [b, h, window, d]`` (slot ``position % window``) and
+    returns the windows ending at it, oldest token first: ``[b, h, 1, window, d]`` each, in
+    the rings' dtype."""
+    b, h, window, d = ring_k.shape
+    assert new_k.shape == new_v.shape == (b, h, 1, d) and new_k.stride() == new_v.stride() and new_k.stride(-1) == 1
+    assert ring_v.shape == ring_k.shape and ring_k.stride() == ring_v.stride() and ring_k.stride(-1) == 1
+    assert ring_k.dtype == ring_v.dtype
+    out = _empty((2, b, h, 1, window, d), ring_k.dtype, ring_k.device)
+    launch(_ring_window_kernel, (b * h, 2),
+        position, new_k, new_v, ring_k, ring_v, out, new_k.stride(0), new_k.stride(1), *ring_k.stride()[:3], b, h,
         WINDOW=window, BLOCK_W=next_power_of_2(window), D=d, BLOCK_D=next_power_of_2(d),
         num_warps=1,
     )
-    return out
+    return out[0], out[1]
 
 
-def write_compressed_row(position: torch.Tensor, new: torch.Tensor, buffer: torch.Tensor, num_mem: int,
-                         window: int, stride: int) -> None:
-    """Writes ``new: [b, h, 1, d]``, the compression of the window ending at ``position:
-    [b]`` (int64, each row's), into ``buffer: [b, h, rows, d]``: row ``num_mem +
-    first_token // stride`` when the window is complete, the last (spare) row otherwise."""
-    b, h, rows, d = buffer.shape
-    assert new.shape == (b, h, 1, d) and new.stride(-1) == 1 and buffer.stride(-1) == 1
-    launch(_compressed_row_kernel, (b * h,),
-        position, new, buffer, new.stride(0), new.stride(1), *buffer.stride()[:3],
+
+def write_compressed_rows(position: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+                          buffer_k: torch.Tensor, buffer_v: torch.Tensor, num_mem: int, window: int,
+                          stride: int) -> None:
+    """Writes ``new_k, new_v: [b, h, 1, d]``, the compressions of the windows ending at
+    ``position: [b]`` (int64, each row's), into ``buffer_k, buffer_v: [b, h, rows, d]``:
+    row ``num_mem + first_token // stride`` when the window is complete, the last (spare)
+    row otherwise."""
+    b, h, rows, d = buffer_k.shape
+    assert new_k.shape == new_v.shape == (b, h, 1, d) and new_k.stride() == new_v.stride() and new_k.stride(-1) == 1
+    assert buffer_v.shape == buffer_k.shape and buffer_k.stride() == buffer_v.stride() and buffer_k.stride(-1) == 1
+    launch(_compressed_row_kernel, (b * h, 2),
+        position, new_k, new_v, buffer_k, buffer_v, new_k.stride(0), new_k.stride(1), *buffer_k.stride()[:3],
         h, num_mem, window, stride, rows - 1, D=d, BLOCK_D=next_power_of_2(d), num_warps=1,
     )
