@@ -9,10 +9,10 @@ Command line (a checkpoint, or the latest one of a run directory)::
 
 prints the prompt followed by what the model writes after it, byte by byte as it is drawn
 (with ``--samples`` above 1, or several ``--prompt``, each continuation once all are
-done). Decoding runs one byte per step through the layers' caches, every prompt's samples
-in one batch whatever the prompts' lengths (``generate``); on CUDA, with sparse layers on
-the Triton kernels, each step replays from a CUDA graph (``Transformer.sample``). Invalid
-arguments end the program with one line on stderr and exit code 2.
+done). Decoding runs one byte per step through the layers' caches, the prompts' samples
+in one batch where the model allows (``generate``); on CUDA, with full attention or sparse
+layers on the Triton kernels, each step replays from a CUDA graph (``Transformer.sample``).
+Invalid arguments end the program with one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def generate(model: Transformer, prompt: bytes | Sequence[bytes], length: int, *
     bytes each, from ``model`` on its device (bf16 autocast on CUDA): every prompt's
     samples in turn. Prompts of one length decode as one batch, and so do prompts of
     different lengths with full attention, and on CUDA with sparse layers on the Triton
-    kernels; elsewhere each prompt's samples are a batch of their own. The same seed gives the same bytes on
-    the same device; the caller's random state is left as it was. ``on_bytes`` receives
-    each step's byte of every sample of the batch as it is drawn."""
+    kernels; elsewhere each prompt's samples are a batch of their own. The same seed gives
+    the same bytes on the same device; the caller's random state is left as it was.
+    ``on_bytes`` receives each step's byte of every sample of the batch as it is drawn."""
     prompts = [prompt] if isinstance(prompt, bytes) else list(prompt)
     device = next(model.parameters()).device
     rows = [torch.tensor(list(p), dtype=torch.long, device=device) for p in prompts for _ in range(samples)]
@@ -87,8 +87,8 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, ar
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
     add_device_argument(parser, "decode")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                        help="replay each decoding step from a CUDA graph (CUDA and sparse layers on the triton "
-                        "backend; default: on wherever those hold)")
+                        help="replay each decoding step from a CUDA graph (CUDA, with full attention or sparse "
+                        "layers on the triton backend; default: on wherever those hold)")
     return parser, parser.parse_args(argv)
 
 
