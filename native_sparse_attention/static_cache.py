@@ -220,8 +220,10 @@ def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) 
     rows = position.view(-1, 1, 1, 1).expand_as(rk)
     cache.keys.scatter_(2, rows, rk.to(dtype))
     cache.values.scatter_(2, rows, v.to(dtype))
-    recent_k, recent_v = write_rings_and_read_windows(position, k, v, cache.recent_keys, cache.recent_values)
-    new_ck, new_cv = layer._compress_windows(recent_k, recent_v)
+    # The windows come with the intra-block positions added (``layer._compress_windows``' sums).
+    windows_k, windows_v = write_rings_and_read_windows(position, k, v, cache.recent_keys, cache.recent_values,
+                                                        layer.intrablock_pos_k, layer.intrablock_pos_v)
+    new_ck, new_cv = layer.compress_k(windows_k), layer.compress_v(windows_v)
     write_compressed_rows(position, new_ck, new_cv, cache.compressed_keys, cache.compressed_values, layer.num_mem,
                           layer.compress_block_size, layer.compress_stride)
 

@@ -110,7 +110,8 @@ def _direct_calls() -> None:
     qkv = torch.randn(2, 8, (4 + 2 * 2) * 32 + 8, dtype=dtype, requires_grad=True)
     sum(t.float().sum() for t in split_heads_and_rotate(qkv, 4, 2, inv_freq)).backward()
     position, token = torch.tensor([5, 9]), torch.randn(2, 2, 1, 32, dtype=dtype)
-    write_rings_and_read_windows(position, token, token, *torch.zeros(2, 2, 2, 8, 32, dtype=dtype))
+    write_rings_and_read_windows(position, token, token, *torch.zeros(2, 2, 2, 8, 32, dtype=dtype),
+                                 *torch.zeros(2, 2, 8, 32))
     write_compressed_rows(position, token, token, *torch.zeros(2, 2, 2, 6, 32, dtype=dtype), 1, 4, 2)
     # One query on one kv head: few programs, so the key tiles and selection blocks split.
     query, keys = torch.randn(1, 2, 1, 32, dtype=dtype), torch.randn(1, 1, 70, 32, dtype=dtype)

@@ -24,12 +24,16 @@ def poisoned_output(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("window, d, dtype", [(6, 24, torch.float32), (8, 16, torch.float16)])
-def test_rings_hold_the_window_ending_at_each_token(window, d, dtype):
+@pytest.mark.parametrize("window, d, dtype, pos_dtype", [
+    (6, 24, torch.float32, torch.float32), (8, 16, torch.float16, torch.float32), (8, 16, torch.float16, torch.float16),
+])
+def test_rings_hold_the_window_ending_at_each_token(window, d, dtype, pos_dtype):
     """Keys and values written one by one, each batch row from a position of its own (0
     and ``window + 3``): each step's windows are the row's last ``window`` keys and values,
-    oldest first (zeros before the first token); the rings are updated in place for the
-    next step. The new tokens come as strided views."""
+    oldest first (zeros before the first token), plus the intra-block positions: in float32
+    where the positions are (the layer's parameters under autocast), else rounded as
+    PyTorch's sum is. The rings are updated in place for the next step. The new tokens come
+    as strided views."""
     b, h, steps = 2, 3, 3 * window + 2
     starts = torch.tensor([0, window + 3])
     gen = torch.Generator().manual_seed(0)
@@ -38,13 +42,16 @@ def test_rings_hold_the_window_ending_at_each_token(window, d, dtype):
     rings = {name: torch.zeros(b, h, window, d, dtype=dtype, device=DEVICE) for name in tokens}
     zeros = torch.zeros(b, h, window - 1, d, dtype=dtype, device=DEVICE)
     history = {name: torch.cat((zeros, t), dim=2) for name, t in tokens.items()}
+    positions = {name: torch.randn(h, window, d, generator=gen).to(DEVICE, pos_dtype) for name in tokens}
     for t in range(steps):
         position = (starts + t).to(DEVICE)
         windows = write_rings_and_read_windows(position, tokens["keys"][:, :, t:t + 1],
-                                               tokens["values"][:, :, t:t + 1], rings["keys"], rings["values"])
+                                               tokens["values"][:, :, t:t + 1], rings["keys"], rings["values"],
+                                               positions["keys"], positions["values"])
         for name, got in zip(tokens, windows):
-            assert got.shape == (b, h, 1, window, d)
-            assert torch.equal(got[:, :, 0], history[name][:, :, t:t + window]), name
+            assert got.shape == (b, h, 1, window, d) and got.dtype == torch.promote_types(dtype, pos_dtype)
+            expected = history[name][:, :, t:t + window] + positions[name]
+            assert torch.equal(got[:, :, 0], expected), name
             for row in range(b):
                 assert torch.equal(rings[name][row, :, (starts[row] + t) % window], tokens[name][row, :, t])
 

@@ -6,8 +6,9 @@ Z: batch size, H: kv heads, D: head dim, padded to the power of two BLOCK_D.
 POSITION: ``[Z]`` int64, each batch row's step token position, read on the device (rows
 that decode prompts of different lengths sit at different positions).
 WINDOW: tokens per compression window (the layer's compress_block_size), which is also
-the length of the ring RECENT_K / RECENT_V ``[Z, H, WINDOW, D]`` that holds the latest
-tokens, token t in slot ``t % WINDOW``; BLOCK_W: WINDOW padded to a power of two.
+the length of the rings RING_K / RING_V ``[Z, H, WINDOW, D]`` that hold the latest keys
+and values, token t in slot ``t % WINDOW``; BLOCK_W: WINDOW padded to a power of two.
+POS_K, POS_V: ``[H, WINDOW, D]``, the layer's intra-block positions of keys and values.
 STRIDE: compression stride; NUM_MEM: memory rows that precede the compressed keys;
 SPARE_ROW: the last row of the compressed buffers, where windows that are not complete go.
 
@@ -15,7 +16,8 @@ Kernels
 -------
 Each takes a pair of tensors, the keys' and the values' (program axis 1 picks one).
 ``_ring_window_kernel``: puts the token's key and value into their ring slots and reads
-back the windows of WINDOW tokens ending at it, oldest first, as the compression input.
+back the windows of WINDOW tokens ending at it, oldest first, plus the layer's intra-block
+positions: the compression networks' input.
 ``_compressed_row_kernel``: writes those windows' compressed key and value into their row
 when the window is complete (its first token a multiple of STRIDE), into SPARE_ROW
 otherwise.
@@ -24,7 +26,7 @@ Their launches replace some twenty PyTorch ops on the position and single rows (
 comparisons, ``index_copy_``, ``index_select``), each a kernel of its own in a replayed
 step: 61 -> 44 kernels and 0.233 -> 0.200 ms per replayed step of the layer benchmark's
 configuration at 64k cached tokens on an H100, when they were four launches (one per
-tensor); two, from 34 to 32 kernels.
+tensor). As two, which also add the positions, a replayed step runs 30 kernels, not 34.
 """
 
 from __future__ import annotations
@@ -49,14 +51,15 @@ def _pick(which, FIRST, SECOND):
 
 @triton.jit
 def _ring_window_kernel(
-    POSITION, NEW_K, NEW_V, RING_K, RING_V, WINDOW_OUT,
+    POSITION, NEW_K, NEW_V, RING_K, RING_V, POS_K, POS_V, WINDOW_OUT,
     stride_nz, stride_nh, stride_rz, stride_rh, stride_rn,
     Z, H,
     WINDOW: tl.constexpr, BLOCK_W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # NEW_K, NEW_V: [Z, H, 1, D] (unit stride on D; the same strides); RING_K, RING_V: [Z, H,
-    # WINDOW, D] (the same); WINDOW_OUT: [2, Z, H, WINDOW, D], contiguous. Program (z * H + h,
-    # which): the keys (0) or the values (1) of (z, h).
+    # WINDOW, D] (the same); POS_K, POS_V: [H, WINDOW, D], contiguous, added to the windows;
+    # WINDOW_OUT: [2, Z, H, WINDOW, D], contiguous. Program (z * H + h, which): the keys (0)
+    # or the values (1) of (z, h).
     zh, which = tl.program_id(0), tl.program_id(1)
     z, h = zh // H, zh % H
     position = tl.load(POSITION + z)
@@ -74,9 +77,13 @@ def _ring_window_kernel(
     rows = tl.load(ring + slots[:, None] * stride_rn + offs_d[None, :],
                    mask=older[:, None] & d_ok[None, :], other=0.0)
     rows = tl.where(older[:, None], rows, new[None, :].to(rows.dtype))
+    in_window = (offs_w[:, None] < WINDOW) & d_ok[None, :]
+    window_offsets = offs_w[:, None] * D + offs_d[None, :]
+    positions = tl.load(_pick(which, POS_K, POS_V) + h * WINDOW * D + window_offsets, mask=in_window, other=0.0)
+    # Rounded once, as PyTorch's sum of the two would be.
+    rows = rows.to(tl.float32) + positions.to(tl.float32)
     out = WINDOW_OUT + (which.to(tl.int64) * Z * H + zh) * WINDOW * D
-    tl.store(out + offs_w[:, None] * D + offs_d[None, :], rows,
-             mask=(offs_w[:, None] < WINDOW) & d_ok[None, :])
+    tl.store(out + window_offsets, rows.to(WINDOW_OUT.dtype.element_ty), mask=in_window)
     tl.store(ring + (position % WINDOW) * stride_rn + offs_d, new.to(RING_K.dtype.element_ty), mask=d_ok)
 
 
@@ -109,18 +116,22 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def write_rings_and_read_windows(position: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
-                                 ring_k: torch.Tensor, ring_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                 ring_k: torch.Tensor, ring_v: torch.Tensor, pos_k: torch.Tensor,
+                                 pos_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes ``new_k, new_v: [b, h, 1, d]``, the token at ``position: [b]`` (int64, each
     row's), into ``ring_k, ring_v: [b, h, window, d]`` (slot ``position % window``) and
-    returns the windows ending at it, oldest token first: ``[b, h, 1, window, d]`` each, in
-    the rings' dtype."""
+    returns the windows ending at it, oldest token first, plus the intra-block positions
+    ``pos_k, pos_v: [h, window, d]``: ``[b, h, 1, window, d]`` each, in the dtype of the
+    rings' and the positions' sum (the compression networks' input)."""
     b, h, window, d = ring_k.shape
     assert new_k.shape == new_v.shape == (b, h, 1, d) and new_k.stride() == new_v.stride() and new_k.stride(-1) == 1
     assert ring_v.shape == ring_k.shape and ring_k.stride() == ring_v.stride() and ring_k.stride(-1) == 1
-    assert ring_k.dtype == ring_v.dtype
-    out = _empty((2, b, h, 1, window, d), ring_k.dtype, ring_k.device)
+    assert ring_k.dtype == ring_v.dtype and pos_k.dtype == pos_v.dtype
+    assert pos_k.shape == pos_v.shape == (h, window, d) and pos_k.is_contiguous() and pos_v.is_contiguous()
+    out = _empty((2, b, h, 1, window, d), torch.promote_types(ring_k.dtype, pos_k.dtype), ring_k.device)
     launch(_ring_window_kernel, (b * h, 2),
-        position, new_k, new_v, ring_k, ring_v, out, new_k.stride(0), new_k.stride(1), *ring_k.stride()[:3], b, h,
+        position, new_k, new_v, ring_k, ring_v, pos_k, pos_v, out, new_k.stride(0), new_k.stride(1),
+        *ring_k.stride()[:3], b, h,
         WINDOW=window, BLOCK_W=next_power_of_2(window), D=d, BLOCK_D=next_power_of_2(d),
         num_warps=1,
     )
