@@ -322,7 +322,7 @@ class Transformer(nn.Module):
         for p in prompts:
             logits, caches = self(p[None], return_caches=True)
             last_logits.append(logits[:, -1])
-            static.append([attn.static_cache(cache, capacity) for (attn, _), cache in zip(self.layers, caches)])
+            static.append(self._static_caches(caches, capacity))
         static = [cat_caches(layer_caches) for layer_caches in zip(*static)]
         if use_cuda_graph:
             graphed = self._capture(static, torch.stack([p[-1:] for p in prompts]))
@@ -340,13 +340,17 @@ class Transformer(nn.Module):
         for row, p in enumerate(prompts):
             ids[row, : len(p)] = p
         rows = torch.arange(len(prompts), device=device)
+        # The longest row's length, kept on the host: every row grows by one token a step.
+        filled = width
 
         def last_logits() -> torch.Tensor:
-            return self(ids[:, : int(ends.max())])[rows, ends - 1]
+            return self(ids[:, :filled])[rows, ends - 1]
 
         def step(next_ids: torch.Tensor) -> torch.Tensor:
+            nonlocal filled
             ids[rows, ends] = next_ids[:, 0]
             ends.add_(1)
+            filled += 1
             return last_logits()
 
         return last_logits(), step
@@ -364,8 +368,11 @@ class Transformer(nn.Module):
 
     def _graphed_step(self, caches: list, capacity: int, example_ids: torch.Tensor) -> _GraphedStep:
         """One decoding step through static copies of ``caches``, captured in a CUDA graph."""
-        static = [attn.static_cache(cache, capacity) for (attn, _), cache in zip(self.layers, caches)]
-        return self._capture(static, example_ids)
+        return self._capture(self._static_caches(caches, capacity), example_ids)
+
+    def _static_caches(self, caches: list, capacity: int) -> list:
+        """The layers' ``caches`` moved into static ones of ``capacity`` tokens."""
+        return [attn.static_cache(cache, capacity) for (attn, _), cache in zip(self.layers, caches)]
 
     def _capture(self, static: list, example_ids: torch.Tensor) -> _GraphedStep:
         ids = example_ids.clone()
