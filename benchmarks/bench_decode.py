@@ -129,9 +129,9 @@ def report(results: dict[int, dict[str, DecodeTiming]], batch: int) -> str:
         "kernels, not by the GPU, so their wall times vary with the host's CPU by some 30% from one machine to "
         "the next. \"CUDA graph\" replays one captured step through a static cache, whose buffers have their "
         "final size from the start (`StaticSparseAttentionCache`; the dense layer's `StaticFullAttentionCache`, "
-        "whose step attends its whole buffer under a mask of the cached rows); under autocast the step casts every float32 weight to bf16 "
-        "inside the graph too, which \"bf16 layer\" (the layer converted with `.to(torch.bfloat16)`, run without "
-        "autocast) does not.",
+        "whose step attends its whole buffer under a mask of the cached rows). Both static steps take their "
+        "linear layers from `kernels/decode_linear.py`, which under autocast reads the float32 weights in "
+        "place; \"bf16 layer\" is the layer converted with `.to(torch.bfloat16)`, run without autocast.",
         "",
         markdown_table(header, rows),
     ])

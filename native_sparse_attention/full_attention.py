@@ -14,7 +14,7 @@ from native_sparse_attention.compress import plain_linear
 from native_sparse_attention.documents import checked_document_bounds
 from native_sparse_attention.layer_input import check_layer_input
 from native_sparse_attention.rotary import RotaryEmbedding, rotated_query_and_key_heads, split_qkv_heads
-from native_sparse_attention.static_cache import StaticKVCache, static_key_values
+from native_sparse_attention.static_cache import StaticKVCache, decoding_linear, static_key_values
 
 __all__ = ["FullAttention", "FullAttentionCache", "StaticFullAttentionCache"]
 
@@ -111,7 +111,7 @@ class FullAttention(nn.Module):
             raise ValueError(f"a static cache decodes one token per step, got x with seq_len {x.shape[1]}")
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             raise ValueError("a static cache decodes without gradients: call the layer under torch.no_grad()")
-        qkv = self._project(self._normed(x))
+        qkv = decoding_linear(self.to_qkv, self._normed(x))
         _, _, v, _ = split_qkv_heads(qkv, self.heads, self.kv_heads, self.dim_head)
         position, dtype = cache.position, cache.keys.dtype
         rq, rk = rotated_query_and_key_heads(qkv, self.heads, self.kv_heads, self.dim_head,
@@ -126,7 +126,7 @@ class FullAttention(nn.Module):
             enable_gqa=self.heads != self.kv_heads,
         )
         position.add_(1)
-        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+        return decoding_linear(self.to_out, rearrange(out, "b h n d -> b n (h d)"))
 
     def _attend_documents(self, x: torch.Tensor, document_ids: torch.Tensor, cached: bool) -> torch.Tensor:
         if cached:

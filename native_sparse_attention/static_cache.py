@@ -13,6 +13,12 @@ Each step compresses the window that ends at its token, whether or not the windo
 complete, and writes the result to the window's row when it is and to a spare row
 otherwise: no step branches on the host, and causal masking hides every row past the
 last window a token may see.
+
+The steps' linear layers (both layers' projections, the sparse layer's gates and default
+compression networks) run on ``kernels/decode_linear.py``, which reads each weight in
+place in its own dtype, two layers per launch, and computes the compression networks only
+for rows that complete a window (the others write zeros to the spare row). Layers
+replaced or hooked, or dtypes ``F.linear`` would refuse, keep the modules' forward.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from einops import rearrange
+from torch import nn
 
+from native_sparse_attention.compress import CompressMLP, has_hooks, plain_linear
 from native_sparse_attention.cuda_graph import capture
 from native_sparse_attention.rotary import rotated_query_and_key_heads, split_qkv_heads
 from native_sparse_attention.selection import num_compressed_blocks
@@ -178,6 +187,7 @@ def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAtte
     -> [b, 1, dim]; writes the tokens into ``cache`` and advances the positions. A step
     past the capacity fails a device-side index check."""
     from native_sparse_attention.kernels.compressed import compressed_attend_and_select_at
+    from native_sparse_attention.kernels.gate_combine import gated_sum, gated_sum_of_logits
     from native_sparse_attention.kernels.rotary import rotate_at
     from native_sparse_attention.kernels.selection import selection_attention_at
     from native_sparse_attention.kernels.rms_norm import normed_for_projection
@@ -185,11 +195,11 @@ def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAtte
     _check(layer, x, cache)
     position = cache.position
     x_normed = normed_for_projection(layer.norm, x)
-    qkv = layer.to_qkv(x_normed)
+    qkv, gate_logits = _projections(layer, x_normed)
     q, k, v, _ = split_qkv_heads(qkv, layer.heads, layer.kv_heads, layer.dim_head)
     rq, rk = rotated_query_and_key_heads(qkv, layer.heads, layer.kv_heads, layer.dim_head,
                                          lambda heads: rotate_at(heads, layer.rotary.inv_freq, position))
-    gates = layer._gates(layer.to_gates[0](x_normed))
+    gates = layer._gates(layer.to_gates[0](x_normed)) if gate_logits is None else None
     _write(layer, cache, rk, k, v)
 
     dtype = cache.keys.dtype
@@ -205,9 +215,65 @@ def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAtte
         rq, cache.keys, cache.values, layer.selection_block_size, selection.indices, selection.mask,
         layer.sliding_window_size, layer.dim_head**-0.5, position,
     )
-    out = layer._combine(gates, compressed_out, selected_out, sliding_out, fused=True)
+    if gates is None:
+        merged = gated_sum_of_logits(gate_logits, compressed_out, selected_out, sliding_out)
+    else:
+        merged = gated_sum(gates, compressed_out, selected_out, sliding_out)
     position.add_(1)
-    return out
+    return decoding_linear(layer.to_out, merged)
+
+
+def _projections(layer: SparseAttention, x_normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x_normed: [b, 1, dim] -> the q / k / v projection [b, 1, (hq + 2 hk) d] and, where
+    its kernel computes them too, the gates' logits [3, b, hq, 1] (else None: the layer's
+    ``_gates`` takes over)."""
+    from native_sparse_attention.kernels.decode_linear import decode_linears
+
+    gate_projection, _, sigmoid = layer.to_gates
+    modules = (layer.to_qkv, gate_projection)
+    dtype = decoding_linear_dtype(x_normed, *modules)
+    if dtype is None or has_hooks(sigmoid):
+        return decoding_linear(layer.to_qkv, x_normed), None
+    rows = x_normed.flatten(0, 1)
+    qkv, logits = decode_linears((rows, rows), *_weights_and_biases(modules), dtype)
+    logits = rearrange(logits, "b (h s) -> s b h 1", s=3)
+    if layer.recorder is not None:
+        layer._record(gates=logits.sigmoid())
+    return qkv.view(*x_normed.shape[:2], -1), logits
+
+
+def decoding_linear_dtype(x: torch.Tensor, *modules: nn.Module) -> torch.dtype | None:
+    """The dtype in which ``F.linear`` would compute each of ``modules`` (``nn.Linear`` as
+    constructed) on the rows x: [b, 1, dim], where ``decode_linears`` can compute them in
+    one launch: autocast's, or the one dtype of x and the parameters; None otherwise."""
+    from native_sparse_attention.kernels.library import KERNEL_DTYPES
+
+    tensors = [x, *(p for module in modules for p in module.parameters())]
+    if not all(plain_linear(module) for module in modules) or any(t.dtype not in KERNEL_DTYPES for t in tensors):
+        return None
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    dtypes = {t.dtype for t in tensors}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def decoding_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` of a decoding step's rows x: [b, 1, dim], through ``decode_linears``
+    where it can compute it (``decoding_linear_dtype``): under autocast, a replayed step
+    then reads the float32 weight instead of casting it to a copy first."""
+    from native_sparse_attention.kernels.decode_linear import decode_linears
+
+    dtype = decoding_linear_dtype(x, module)
+    if dtype is None:
+        return module(x)
+    (y,) = decode_linears((x.flatten(0, 1),), *_weights_and_biases((module,)), dtype)
+    return y.view(*x.shape[:2], -1)
+
+
+def _weights_and_biases(linears: Sequence[nn.Linear]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    return [module.weight for module in linears], [module.bias for module in linears]
 
 
 def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) -> None:
@@ -220,12 +286,51 @@ def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) 
     rows = position.view(-1, 1, 1, 1).expand_as(rk)
     cache.keys.scatter_(2, rows, rk.to(dtype))
     cache.values.scatter_(2, rows, v.to(dtype))
-    # The windows come with the intra-block positions added (``layer._compress_windows``' sums).
+    # The windows come with the intra-block positions added (``layer._compress_windows``' sums),
+    # in the dtype the fused compression networks compute in where they run.
+    windows_dtype = torch.promote_types(k.dtype, layer.intrablock_pos_k.dtype)
+    fused_dtype = _fused_compression_dtype(layer, windows_dtype)
     windows_k, windows_v = write_rings_and_read_windows(position, k, v, cache.recent_keys, cache.recent_values,
-                                                        layer.intrablock_pos_k, layer.intrablock_pos_v)
-    new_ck, new_cv = layer.compress_k(windows_k), layer.compress_v(windows_v)
+                                                        layer.intrablock_pos_k, layer.intrablock_pos_v,
+                                                        fused_dtype or windows_dtype)
+    if fused_dtype is None:
+        new_ck, new_cv = layer.compress_k(windows_k), layer.compress_v(windows_v)
+    else:
+        new_ck, new_cv = _fused_compression(layer, position, windows_k, windows_v)
     write_compressed_rows(position, new_ck, new_cv, cache.compressed_keys, cache.compressed_values, layer.num_mem,
                           layer.compress_block_size, layer.compress_stride)
+
+
+def _fused_compression_dtype(layer: SparseAttention, windows_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype in which ``_fused_compression`` computes the compression networks on
+    windows of ``windows_dtype``, the one their fused training node computes in (and
+    ``F.linear`` under autocast); None where the networks are not default ``CompressMLP``s
+    of kernel dtypes."""
+    from native_sparse_attention.kernels.library import KERNEL_DTYPES
+
+    networks = (layer.compress_k, layer.compress_v)
+    parameters = [p for network in networks for p in network.parameters()]
+    if not (all(type(network) is CompressMLP and network.fusable() for network in networks)
+            and all(dtype in KERNEL_DTYPES for dtype in (windows_dtype, *(p.dtype for p in parameters)))):
+        return None
+    return layer.compress_k.compute_dtype(windows_dtype)
+
+
+def _fused_compression(layer: SparseAttention, position: torch.Tensor, windows_k: torch.Tensor,
+                       windows_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default compression networks on the windows ending at the step's tokens ([b,
+    hk, 1, window, d] each, in the dtype they compute in) -> [b, hk, 1, d] each: both
+    networks' first layers in one launch, their second layers in another, each computing
+    only the rows whose window is complete (the others go to the spare row, as zeros)."""
+    from native_sparse_attention.kernels.decode_linear import CompleteWindows, decode_linears
+
+    b, hk, _, window, d = windows_k.shape
+    only = CompleteWindows(position, hk, window, layer.compress_stride)
+    first, second = ([network.net[i] for network in (layer.compress_k, layer.compress_v)] for i in (0, 2))
+    rows = [w.reshape(b * hk, window * d) for w in (windows_k, windows_v)]
+    hidden = decode_linears(rows, *_weights_and_biases(first), windows_k.dtype, relu=True, only=only)
+    new_ck, new_cv = decode_linears(hidden, *_weights_and_biases(second), windows_k.dtype, only=only)
+    return new_ck.view(b, hk, 1, d), new_cv.view(b, hk, 1, d)
 
 
 def _check(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAttentionCache) -> None:

@@ -11,7 +11,8 @@ and takes its kernel path as it does under ``TRITON_INTERPRET=1``, with the inte
 launch options; between kernels PyTorch works on zero-filled buffers. The kernels that
 the layer launches only for CUDA tensors (the fused projection, rotary embedding and
 compression MLP, the decoding caches' writes) or for a position read on the device (the
-merges of split decoding work) are called directly. A launch that does not ask for fused
+merges of split decoding work, a static step's linear layers and gated sum) are called
+directly. A launch that does not ask for fused
 multiply-adds (``kernels.launch`` does; Triton 3.10 no longer fuses by default) fails.
 ``tests/test_kernel_build.py`` runs this in a subprocess, which keeps the patches out of
 its session.
@@ -94,6 +95,8 @@ def _direct_calls() -> None:
     from native_sparse_attention.kernels.cache_write import write_compressed_rows, write_rings_and_read_windows
     from native_sparse_attention.kernels.compressed import compressed_attend_and_select_at
     from native_sparse_attention.kernels.compress_mlp import relu_mlp
+    from native_sparse_attention.kernels.decode_linear import CompleteWindows, decode_linears
+    from native_sparse_attention.kernels.gate_combine import gated_sum_of_logits
     from native_sparse_attention.kernels.projection import project
     from native_sparse_attention.kernels.rotary import apply_rotary, split_heads_and_rotate
 
@@ -113,6 +116,13 @@ def _direct_calls() -> None:
     write_rings_and_read_windows(position, token, token, *torch.zeros(2, 2, 2, 8, 32, dtype=dtype),
                                  *torch.zeros(2, 2, 8, 32))
     write_compressed_rows(position, token, token, *torch.zeros(2, 2, 2, 6, 32, dtype=dtype), 1, 4, 2)
+    # A static step's linear layers: float32 master weights under autocast, both segments.
+    rows, weight = torch.randn(4, 64, dtype=dtype), torch.randn(48, 64)
+    decode_linears((rows, rows), (weight, weight[:16]), (None, torch.randn(16)), dtype)
+    decode_linears((rows, rows), (weight, weight), (torch.randn(48),) * 2, dtype, relu=True,
+                   only=CompleteWindows(position, 2, 4, 2))
+    logits = torch.randn(3, 2, 4, 1, dtype=dtype)
+    gated_sum_of_logits(logits, *torch.randn(3, 2, 4, 1, 32, dtype=dtype))
     # One query on one kv head: few programs, so the key tiles and selection blocks split.
     query, keys = torch.randn(1, 2, 1, 32, dtype=dtype), torch.randn(1, 1, 70, 32, dtype=dtype)
     compressed_attend_and_select_at(query, keys, keys, torch.tensor([500]), 16, 8, 1, 32, 2, share_selection=True)

@@ -56,6 +56,22 @@ def test_rings_hold_the_window_ending_at_each_token(window, d, dtype, pos_dtype)
                 assert torch.equal(rings[name][row, :, (starts[row] + t) % window], tokens[name][row, :, t])
 
 
+def test_windows_come_in_the_dtype_asked_for_rounded_once():
+    """Asked for float16 windows of float16 rings and float32 positions (the compression
+    networks' dtype under autocast): the float32 sum rounded once."""
+    b, h, window, d = 1, 2, 8, 16
+    gen = torch.Generator().manual_seed(1)
+    rings = [torch.randn(b, h, window, d, generator=gen).to(DEVICE, torch.float16) for _ in range(2)]
+    tokens = [torch.randn(b, h, 1, d, generator=gen).to(DEVICE, torch.float16) for _ in range(2)]
+    positions = [torch.randn(h, window, d, generator=gen).to(DEVICE) for _ in range(2)]
+    position = torch.tensor([window - 1], device=DEVICE)
+    expected = [(torch.cat((ring[:, :, :-1], token), dim=2) + pos).to(torch.float16)
+                for ring, token, pos in zip(rings, tokens, positions)]
+    windows = write_rings_and_read_windows(position, *tokens, *rings, *positions, torch.float16)
+    for got, want in zip(windows, expected):
+        assert got.dtype == torch.float16 and torch.equal(got[:, :, 0], want)
+
+
 def test_compressed_row_goes_to_the_window_row_or_the_spare_row():
     """Complete windows (first token a multiple of the stride) land in row num_mem +
     first // stride; incomplete ones, those between strides and those past the buffer's

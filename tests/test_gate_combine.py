@@ -12,7 +12,7 @@ from einops import rearrange
 from native_sparse_attention.kernels import compressed as compressed_kernels
 from native_sparse_attention.kernels import gate_combine
 from native_sparse_attention.kernels import selection as selection_kernels
-from native_sparse_attention.kernels.gate_combine import gated_branches, gated_sum
+from native_sparse_attention.kernels.gate_combine import gated_branches, gated_sum, gated_sum_of_logits
 from native_sparse_attention.reference import compressed_attend, selected_attend, sliding_window_attend
 from native_sparse_attention.selection import num_compressed_blocks
 
@@ -51,6 +51,22 @@ def test_matches_eager_formula(b, h, n, d, dtype):
     for name, t, ref_t in zip(("gates", "compressed", "selected", "sliding"), inputs, ref_inputs):
         assert t.grad.dtype == dtype, name
         torch.testing.assert_close(t.grad.double(), ref_t.grad, atol=tol * 10, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_sum_of_logits_takes_the_sigmoid_in_the_kernel(poison, dtype):
+    """A decoding step's gates from the projection's gate columns, [b, 1, 3h] seen as [3,
+    b, h, 1]: the sum of the eager formula over the gates rounded to the logits' dtype."""
+    poison(gate_combine)
+    gen = torch.Generator().manual_seed(3)
+    b, h, d = 3, 4, 24
+    logits = rearrange(torch.randn(b, 1, h * 3, generator=gen).to(DEVICE, dtype), "b n (h s) -> s b h n", s=3)
+    branches = [torch.randn(b, h, 1, d, generator=gen).to(DEVICE, dtype) for _ in range(3)]
+    out = gated_sum_of_logits(logits, *branches)
+    want = eager(logits.sigmoid().double(), *(t.double() for t in branches))
+    assert out.shape == (b, 1, h * d) and out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
 def test_rejects_mismatched_shapes():

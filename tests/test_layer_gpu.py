@@ -289,6 +289,30 @@ def test_static_cache_decoding_matches_pytorch_path_interpreted(monkeypatch, sha
     assert _relative_error(decoded, expected) < 1e-5
 
 
+@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+def test_static_steps_keep_the_forward_of_hooked_linear_layers_interpreted(monkeypatch):
+    """A static step computes the projections, gates and compression networks in its own
+    kernel only where they are plain layers: hooked ones run their forward, hooks and all,
+    every step, and the outputs still match the PyTorch path."""
+    torch.manual_seed(5)
+    fast, reference = _sharpened_pair(monkeypatch, SMALL_CONFIG, causal=True)
+    x = torch.randn(2, 20, SMALL_CONFIG["dim"])
+    prefill_len = 12
+    hooked = {"to_qkv": fast.to_qkv, "gates": fast.to_gates[0], "to_out": fast.to_out,
+              "compress_v": fast.compress_v.net[0]}
+    calls = dict.fromkeys(hooked, 0)
+    for name, module in hooked.items():
+        module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    with torch.no_grad():
+        expected = reference(x)
+        _, cache = fast(x[:, :prefill_len], return_cache=True)
+        calls = dict.fromkeys(hooked, 0)
+        static = fast.static_cache(cache, 24)
+        decoded = torch.cat([fast(x[:, t:t + 1], cache=static) for t in range(prefill_len, x.shape[1])], dim=1)
+    assert calls == dict.fromkeys(hooked, x.shape[1] - prefill_len)
+    assert _relative_error(decoded, expected[:, prefill_len:]) < 1e-5
+
+
 # Layer shapes off the beaten track: a top-1 selection, heads in groups of five, no memory
 # keys or no window, head dims that are no power of two, windows wider than the sequence,
 # overlapping compression windows of stride 2.

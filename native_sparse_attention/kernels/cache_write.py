@@ -38,7 +38,7 @@ import triton.language as tl
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import head_pointer, next_power_of_2
 
-__all__ = ["write_compressed_rows", "write_rings_and_read_windows"]
+__all__ = ["completes_window", "write_compressed_rows", "write_rings_and_read_windows"]
 
 
 @triton.jit
@@ -47,6 +47,14 @@ def _pick(which, FIRST, SECOND):
     if which == 0:
         return FIRST
     return SECOND
+
+
+@triton.jit
+def completes_window(position, WINDOW, STRIDE):
+    """Whether the window of WINDOW tokens ending at ``position`` is complete: its first
+    token a multiple of STRIDE (the windows the layer compresses)."""
+    start = position + 1 - WINDOW
+    return (start >= 0) & (start % STRIDE == 0)
 
 
 @triton.jit
@@ -98,10 +106,10 @@ def _compressed_row_kernel(
     # D] (the same); unit stride on D. Program (z * H + h, which) as in _ring_window_kernel.
     zh, which = tl.program_id(0), tl.program_id(1)
     z, h = zh // H, zh % H
-    start = tl.load(POSITION + z) + 1 - WINDOW
-    row = NUM_MEM + start // STRIDE
+    position = tl.load(POSITION + z)
+    row = NUM_MEM + (position + 1 - WINDOW) // STRIDE
     # Past the capacity a window's row would lie beyond the buffer: the spare row then.
-    complete = (start >= 0) & (start % STRIDE == 0) & (row < SPARE_ROW)
+    complete = completes_window(position, WINDOW, STRIDE) & (row < SPARE_ROW)
     row = tl.where(complete, row, SPARE_ROW)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -117,18 +125,20 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def write_rings_and_read_windows(position: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                                  ring_k: torch.Tensor, ring_v: torch.Tensor, pos_k: torch.Tensor,
-                                 pos_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                 pos_v: torch.Tensor, dtype: torch.dtype | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes ``new_k, new_v: [b, h, 1, d]``, the token at ``position: [b]`` (int64, each
     row's), into ``ring_k, ring_v: [b, h, window, d]`` (slot ``position % window``) and
     returns the windows ending at it, oldest token first, plus the intra-block positions
-    ``pos_k, pos_v: [h, window, d]``: ``[b, h, 1, window, d]`` each, in the dtype of the
-    rings' and the positions' sum (the compression networks' input)."""
+    ``pos_k, pos_v: [h, window, d]``: ``[b, h, 1, window, d]`` each (the compression
+    networks' input), in ``dtype``, by default the dtype of the rings' and the positions'
+    sum; either way rounded once from the float32 sum, as ``(ring + pos).to(dtype)``."""
     b, h, window, d = ring_k.shape
     assert new_k.shape == new_v.shape == (b, h, 1, d) and new_k.stride() == new_v.stride() and new_k.stride(-1) == 1
     assert ring_v.shape == ring_k.shape and ring_k.stride() == ring_v.stride() and ring_k.stride(-1) == 1
     assert ring_k.dtype == ring_v.dtype and pos_k.dtype == pos_v.dtype
     assert pos_k.shape == pos_v.shape == (h, window, d) and pos_k.is_contiguous() and pos_v.is_contiguous()
-    out = _empty((2, b, h, 1, window, d), torch.promote_types(ring_k.dtype, pos_k.dtype), ring_k.device)
+    out = _empty((2, b, h, 1, window, d), dtype or torch.promote_types(ring_k.dtype, pos_k.dtype), ring_k.device)
     launch(_ring_window_kernel, (b * h, 2),
         position, new_k, new_v, ring_k, ring_v, pos_k, pos_v, out, new_k.stride(0), new_k.stride(1),
         *ring_k.stride()[:3], b, h,

@@ -45,7 +45,7 @@ from native_sparse_attention.kernels.library import (
 )
 from native_sparse_attention.selection import BlockSelection
 
-__all__ = ["gated_branches", "gated_sum"]
+__all__ = ["gated_branches", "gated_sum", "gated_sum_of_logits"]
 
 
 @triton.jit
@@ -68,14 +68,21 @@ def _program_tile(H, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _load_gates(G, z, h, n_start, stride_gk, stride_gz, stride_gh, stride_gn, N,
-                BLOCK_N: tl.constexpr):
-    """The three branches' gates of the program's tokens, in float32."""
+                BLOCK_N: tl.constexpr, SIGMOID: tl.constexpr = False):
+    """The three branches' gates of the program's tokens, in float32; with SIGMOID, G
+    holds their logits, and the gates are their sigmoids rounded to G's dtype."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     ptrs = G + z.to(tl.int64) * stride_gz + h.to(tl.int64) * stride_gh + offs_n.to(tl.int64) * stride_gn
     mask = offs_n < N
-    return (tl.load(ptrs, mask=mask).to(tl.float32),
-            tl.load(ptrs + stride_gk, mask=mask).to(tl.float32),
-            tl.load(ptrs + 2 * stride_gk, mask=mask).to(tl.float32))
+    return (_gate(tl.load(ptrs, mask=mask), SIGMOID), _gate(tl.load(ptrs + stride_gk, mask=mask), SIGMOID),
+            _gate(tl.load(ptrs + 2 * stride_gk, mask=mask), SIGMOID))
+
+
+@triton.jit
+def _gate(g, SIGMOID: tl.constexpr):
+    if SIGMOID:
+        return tl.sigmoid(g.to(tl.float32)).to(g.dtype).to(tl.float32)
+    return g.to(tl.float32)
 
 
 @triton.jit
@@ -99,11 +106,11 @@ def _gated_sum_fwd_kernel(
     stride_1z, stride_1h, stride_1n,
     stride_2z, stride_2h, stride_2n,
     H, N,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SIGMOID: tl.constexpr = False,
 ):
     _, z, h, n_start = _program_tile(H, BLOCK_N)
     g0, g1, g2 = _load_gates(G, z, h, n_start, stride_gk, stride_gz, stride_gh, stride_gn, N,
-                             BLOCK_N)
+                             BLOCK_N, SIGMOID)
     o0, o1, o2, mask = _branch_offsets(z, h, n_start, stride_0z, stride_0h, stride_0n,
                                        stride_1z, stride_1h, stride_1n, stride_2z, stride_2h,
                                        stride_2n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
@@ -205,21 +212,26 @@ def _fake_forward(gates, branch0, branch1, branch2):
     return branch0.new_empty((b, n, h * d), dtype=torch.promote_types(gates.dtype, branch0.dtype))
 
 
-@launcher_op("gated_sum", _fake_forward)
-def _forward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor,
-             branch2: torch.Tensor) -> torch.Tensor:
-    """gates: [3, b, h, n], branches: [b, h, n, d] -> [b, n, h * d]"""
+def _launch_forward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor, branch2: torch.Tensor,
+                    sigmoid: bool) -> torch.Tensor:
     b, h, n, d = branch0.shape
     out_dtype = torch.promote_types(gates.dtype, branch0.dtype)
-    out = torch.empty(b, n, h * d, dtype=out_dtype, device=branch0.device)
+    out = _allocate((b, n, h * d), out_dtype, branch0.device)
     grid = (b * h, cdiv(n, _BLOCK_N))
     launch(_gated_sum_fwd_kernel, grid,
         gates, branch0, branch1, branch2, out,
         *gates.stride(),
         *head_strides(branch0), *head_strides(branch1), *head_strides(branch2),
-        h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d),
+        h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d), SIGMOID=sigmoid,
     )
     return out
+
+
+@launcher_op("gated_sum", _fake_forward)
+def _forward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor,
+             branch2: torch.Tensor) -> torch.Tensor:
+    """gates: [3, b, h, n], branches: [b, h, n, d] -> [b, n, h * d]"""
+    return _launch_forward(gates, branch0, branch1, branch2, sigmoid=False)
 
 
 def _fake_backward(gates, branch0, branch1, branch2, dout):
@@ -276,6 +288,15 @@ def gated_sum(gates: torch.Tensor, compressed: torch.Tensor, selected: torch.Ten
             raise ValueError(f"{name} must match compressed {tuple(branches[0].shape)} "
                              f"{branches[0].dtype}, got {tuple(t.shape)} {t.dtype}")
     return _GatedSum.apply(gates, *branches)
+
+
+def gated_sum_of_logits(logits: torch.Tensor, compressed: torch.Tensor, selected: torch.Tensor,
+                        sliding: torch.Tensor) -> torch.Tensor:
+    """``gated_sum(logits.sigmoid(), ...)`` with the sigmoid taken in the kernel: a
+    decoding step's gates without a launch of their own. logits: [3, b, h, n], any strides
+    (the projection's gate columns rearranged ``b n (h s) -> s b h n``); the gates are
+    rounded to its dtype. Forward only, for inputs the caller has validated."""
+    return _launch_forward(logits, *(unit_stride_last(t) for t in (compressed, selected, sliding)), sigmoid=True)
 
 
 def _folded_lses(gates: torch.Tensor, *lses: torch.Tensor) -> torch.Tensor:

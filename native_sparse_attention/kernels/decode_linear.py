@@ -1,0 +1,177 @@
+"""Linear layers over the few rows of a decoding step, up to two in one launch, reading
+their weights in place in whatever dtype they are kept.
+
+Notation
+--------
+M: rows (a decoding step's tokens, or its tokens times kv heads); BLOCK_M of them per
+program, padded to at least 16 for the tensor cores.
+Segment s = 0, 1: X_s ``[M, K_s]`` (unit stride along K), W_s ``[N_s, K_s]`` (an
+``nn.Linear`` weight), B_s ``[N_s]`` or none, Y_s ``[M, N_s]`` contiguous;
+``Y_s = act(X_s @ W_s^T + B_s)`` with act the identity or ReLU. The two segments may share
+X (a query / key / value projection and the gates' beside it) or not (the key and the
+value compression networks).
+BLOCK_N: output columns per program; program ``pid < TILES_0`` computes columns
+``pid * BLOCK_N ..`` of segment 0, the others those of segment 1. BLOCK_K: the reduction
+step.
+COMPUTE: the dtype the products are taken in, which is Y's: X, W and B are rounded to it
+as autocast rounds a linear layer's inputs, products are summed in float32 and rounded
+once.
+WINDOW, STRIDE, ROWS_PER_POSITION, POSITION: with ``ONLY_COMPLETE``, row m belongs to the
+batch row ``m // ROWS_PER_POSITION`` whose step token sits at ``POSITION[...]``, and only
+rows whose compression window (WINDOW tokens ending at that token) is complete are
+computed; the others are written as zeros, and a program none of whose rows is complete
+reads no weights.
+
+Why not cuBLAS: at a decoding step's few rows a linear layer is a read of its weight, a
+few microseconds of bandwidth that a launch of its own roughly doubles. Under autocast
+each float32 weight is first cast to a bf16 copy, a kernel that reads it and writes half
+of it again, every step of a replayed CUDA graph (whose autocast cannot cache the
+copies). Reading the float32 weight in the kernel and rounding it there spares the copy;
+two layers per launch spare a launch. ``ONLY_COMPLETE`` serves the compression networks,
+which a decoding step runs on the window ending at its token: only one step in STRIDE
+completes a window, and the others need not read the 2048 x 2048 first layer at all
+(16 MB in bf16 at the layer benchmark's configuration, the largest read of a step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from native_sparse_attention.kernels.cache_write import completes_window
+from native_sparse_attention.kernels.launch import launch
+from native_sparse_attention.kernels.library import cdiv, dot_precision, next_power_of_2, unit_stride_last
+
+__all__ = ["CompleteWindows", "decode_linears"]
+
+# Column tiles by row tile (32 columns of 128-element steps in four warps and three stages
+# were the fastest at 1 to 64 rows of the layer benchmark's projection and compression
+# networks on an H100, but for 32 rows, where 16 columns were).
+_BLOCK_N = {16: 32, 32: 16, 64: 32}
+_MAX_BLOCK_M = 64
+_BLOCK_K = 128
+_WARPS = 4
+_STAGES = 3
+
+
+@triton.jit
+def _rows(POSITION, m_start, M, ROWS_PER_POSITION, WINDOW, STRIDE,
+          ONLY_COMPLETE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The program's row offsets and which of them to compute."""
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    active = offs_m < M
+    if ONLY_COMPLETE:
+        position = tl.load(POSITION + offs_m // ROWS_PER_POSITION, mask=active, other=0)
+        active = active & completes_window(position, WINDOW, STRIDE)
+    return offs_m, active
+
+
+@triton.jit
+def _linear_tile(X, W, B, Y, n_start, offs_m, active, M, N, K, stride_xm, stride_wn,
+                 HAS_BIAS: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Stores ``Y[m, n] = act(X[m] @ W[n]^T + B[n])`` of the program's tile, zero in
+    rows not ``active``."""
+    compute = Y.dtype.element_ty
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if tl.max(active.to(tl.int32), 0) > 0:
+        for k_start in tl.range(0, K, BLOCK_K):
+            k_ok = k_start + offs_k < K
+            x = tl.load(x_rows + k_start + offs_k[None, :], mask=active[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + k_start + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(x.to(compute), tl.trans(w.to(compute)), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(compute).to(tl.float32)[None, :]
+    if RELU:
+        acc = tl.maximum(acc, 0.0)
+    acc = tl.where(active[:, None], acc, 0.0)
+    tl.store(Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(compute),
+             mask=(offs_m < M)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _decode_linear_kernel(
+    X0, W0, B0, Y0, X1, W1, B1, Y1, POSITION,
+    stride_x0, stride_w0, stride_x1, stride_w1,
+    M, N0, K0, N1, K1, TILES_0, ROWS_PER_POSITION, WINDOW, STRIDE,
+    HAS_BIAS_0: tl.constexpr, HAS_BIAS_1: tl.constexpr, RELU: tl.constexpr, ONLY_COMPLETE: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m, active = _rows(POSITION, tl.program_id(1) * BLOCK_M, M, ROWS_PER_POSITION, WINDOW, STRIDE,
+                           ONLY_COMPLETE, BLOCK_M)
+    if pid < TILES_0:
+        _linear_tile(X0, W0, B0, Y0, pid * BLOCK_N, offs_m, active, M, N0, K0, stride_x0, stride_w0,
+                     HAS_BIAS_0, RELU, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        _linear_tile(X1, W1, B1, Y1, (pid - TILES_0) * BLOCK_N, offs_m, active, M, N1, K1, stride_x1, stride_w1,
+                     HAS_BIAS_1, RELU, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@dataclass(frozen=True)
+class CompleteWindows:
+    """Restricts ``decode_linears`` to the rows whose compression window is complete:
+    ``position: [b]`` int64, each batch row's step token; rows ``r * rows_per_position ..``
+    belong to batch row r; a window is ``window`` tokens ending at the token, complete
+    when its first token is a multiple of ``stride`` (``cache_write.completes_window``)."""
+
+    position: torch.Tensor
+    rows_per_position: int
+    window: int
+    stride: int
+
+
+def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocation of every output; tests replace it to fill outputs with NaN first."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def decode_linears(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                   biases: Sequence[torch.Tensor | None], dtype: torch.dtype, relu: bool = False,
+                   only: CompleteWindows | None = None) -> list[torch.Tensor]:
+    """``[act(x @ w^T + b) for x, w, b in zip(inputs, weights, biases)]`` in one launch:
+    one or two layers; inputs ``[m, k_i]`` with the same m, weights ``[n_i, k_i]``, biases
+    ``[n_i]`` or None (copied where not of unit stride along k_i), of any floating
+    dtype each. Computed as ``F.linear`` computes in ``dtype`` (autocast's, say): every
+    operand rounded to ``dtype``, products summed in float32; returns ``[m, n_i]``
+    tensors of ``dtype``. ``relu`` applies ReLU to every output; ``only`` computes the rows
+    with a complete compression window and writes zeros to the others. On CUDA tensors, or
+    on CPU tensors under ``TRITON_INTERPRET=1``; forward only, for inputs the caller has
+    validated."""
+    assert 1 <= len(inputs) == len(weights) == len(biases) <= 2
+    inputs, weights = [unit_stride_last(x) for x in inputs], [unit_stride_last(w) for w in weights]
+    biases = [None if b is None else b.contiguous() for b in biases]
+    m = inputs[0].shape[0]
+    for x, w, b in zip(inputs, weights, biases):
+        assert x.ndim == w.ndim == 2 and x.shape == (m, w.shape[1])
+        assert b is None or b.shape == w.shape[:1]
+    device = inputs[0].device
+    outputs = [_allocate((m, w.shape[0]), dtype, device) for w in weights]
+    block_m = min(max(next_power_of_2(m), 16), _MAX_BLOCK_M)
+    block_n = _BLOCK_N[block_m]
+    tiles = [cdiv(w.shape[0], block_n) for w in weights]
+    # Both segments' arguments; a lone layer's second segment is never reached.
+    segments = [(x, w, b, y) for x, w, b, y in zip(inputs, weights, biases, outputs)]
+    if len(segments) == 1:
+        segments.append(segments[0])
+    (x0, w0, b0, y0), (x1, w1, b1, y1) = segments
+    position = only.position if only is not None else y0
+    launch(_decode_linear_kernel, (sum(tiles), cdiv(m, block_m)),
+        x0, w0, w0 if b0 is None else b0, y0, x1, w1, w1 if b1 is None else b1, y1, position,
+        x0.stride(0), w0.stride(0), x1.stride(0), w1.stride(0),
+        m, w0.shape[0], w0.shape[1], w1.shape[0], w1.shape[1], tiles[0],
+        *((only.rows_per_position, only.window, only.stride) if only is not None else (1, 1, 1)),
+        HAS_BIAS_0=b0 is not None, HAS_BIAS_1=b1 is not None, RELU=relu, ONLY_COMPLETE=only is not None,
+        PRECISION=dot_precision(dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
+        num_warps=_WARPS, num_stages=_STAGES,
+    )
+    return outputs
