@@ -160,11 +160,11 @@ def decode_linears(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tenso
     block_n = _BLOCK_N[block_m]
     tiles = [cdiv(w.shape[0], block_n) for w in weights]
     # Both segments' arguments; a lone layer's second segment is never reached.
-    segments = [(x, w, b, y) for x, w, b, y in zip(inputs, weights, biases, outputs)]
+    segments = list(zip(inputs, weights, biases, outputs))
     if len(segments) == 1:
         segments.append(segments[0])
     (x0, w0, b0, y0), (x1, w1, b1, y1) = segments
-    position = only.position if only is not None else y0
+    position = only.position if only is not None else y0  # never read without `only`: any pointer does
     launch(_decode_linear_kernel, (sum(tiles), cdiv(m, block_m)),
         x0, w0, w0 if b0 is None else b0, y0, x1, w1, w1 if b1 is None else b1, y1, position,
         x0.stride(0), w0.stride(0), x1.stride(0), w1.stride(0),
