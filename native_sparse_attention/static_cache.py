@@ -259,17 +259,33 @@ def decoding_linear_dtype(x: torch.Tensor, *modules: nn.Module) -> torch.dtype |
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
-def decoding_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` of a decoding step's rows x: [b, 1, dim], through ``decode_linears``
-    where it can compute it (``decoding_linear_dtype``): under autocast, a replayed step
-    then reads the float32 weight instead of casting it to a copy first."""
+def decoding_linear(module: nn.Module, x: torch.Tensor, activation: nn.Module | None = None) -> torch.Tensor:
+    """``module(x)`` (``activation(module(x))`` given one) of a decoding step's rows x:
+    [b, 1, dim], through ``decode_linears`` where it can compute it
+    (``decoding_linear_dtype``): under autocast, a replayed step then reads the float32
+    weight instead of casting it to a copy first. An ``nn.ReLU`` or exact ``nn.GELU``
+    without hooks runs in the same launch."""
     from native_sparse_attention.kernels.decode_linear import decode_linears
 
     dtype = decoding_linear_dtype(x, module)
+    fused = _fused_activation(activation)
     if dtype is None:
-        return module(x)
-    (y,) = decode_linears((x.flatten(0, 1),), *_weights_and_biases((module,)), dtype)
-    return y.view(*x.shape[:2], -1)
+        y = module(x)
+        return y if activation is None else activation(y)
+    (y,) = decode_linears((x.flatten(0, 1),), *_weights_and_biases((module,)), dtype, activation=fused)
+    y = y.view(*x.shape[:2], -1)
+    return y if activation is None or fused is not None else activation(y)
+
+
+def _fused_activation(activation: nn.Module | None) -> str | None:
+    """The name ``decode_linears`` computes ``activation`` by, or None where it does not."""
+    if activation is None or has_hooks(activation):
+        return None
+    if type(activation) is nn.ReLU:
+        return "relu"
+    if type(activation) is nn.GELU and activation.approximate == "none":
+        return "gelu"
+    return None
 
 
 def _weights_and_biases(linears: Sequence[nn.Linear]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -328,7 +344,7 @@ def _fused_compression(layer: SparseAttention, position: torch.Tensor, windows_k
     only = CompleteWindows(position, hk, window, layer.compress_stride)
     first, second = ([network.net[i] for network in (layer.compress_k, layer.compress_v)] for i in (0, 2))
     rows = [w.reshape(b * hk, window * d) for w in (windows_k, windows_v)]
-    hidden = decode_linears(rows, *_weights_and_biases(first), windows_k.dtype, relu=True, only=only)
+    hidden = decode_linears(rows, *_weights_and_biases(first), windows_k.dtype, activation="relu", only=only)
     new_ck, new_cv = decode_linears(hidden, *_weights_and_biases(second), windows_k.dtype, only=only)
     return new_ck.view(b, hk, 1, d), new_cv.view(b, hk, 1, d)
 

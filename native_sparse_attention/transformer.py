@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 from native_sparse_attention.full_attention import FullAttention
 from native_sparse_attention.sparse_attention import SparseAttention
-from native_sparse_attention.static_cache import capture_step, cat_caches
+from native_sparse_attention.compress import has_hooks
+from native_sparse_attention.static_cache import StaticKVCache, capture_step, cat_caches, decoding_linear
 
 __all__ = ["Transformer", "DEFAULT_SPARSE_ATTN_KWARGS"]
 
@@ -35,8 +36,14 @@ class FeedForward(nn.Module):
         hidden = int(dim * expansion)
         self.net = nn.Sequential(nn.RMSNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+    def forward(self, x: torch.Tensor, decoding: bool = False) -> torch.Tensor:
+        """``decoding``: x holds a static-cache decoding step's rows ``[b, 1, dim]``, whose
+        linear layers then read their weights in place, the GELU computed with the first
+        (``static_cache.decoding_linear``)."""
+        if not decoding or has_hooks(self.net):
+            return self.net(x)
+        norm, first, gelu, second = self.net
+        return decoding_linear(second, decoding_linear(first, norm(x), activation=gelu))
 
 
 def autocast(device: torch.device):
@@ -195,6 +202,9 @@ class Transformer(nn.Module):
         x = self.token_emb(ids)
         new_caches = []
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        # A step through static caches: one token per row, whose linear layers read their
+        # weights in place.
+        static = caches is not None and all(isinstance(cache, StaticKVCache) for cache in caches)
         for index, (attn, ff) in enumerate(self.layers):
             if caches is None and not return_caches:
                 # No RNG in the blocks to replay, and CUDA graph captures cannot read the RNG state.
@@ -208,8 +218,8 @@ class Transformer(nn.Module):
             else:
                 attn_out = attn(x, cache=layer_cache)
             x = x + attn_out
-            x = x + ff(x)
-        logits = self.to_logits(self.norm(x))
+            x = x + ff(x, decoding=static)
+        logits = decoding_linear(self.to_logits, self.norm(x)) if static else self.to_logits(self.norm(x))
         if return_loss:
             return F.cross_entropy(logits.transpose(1, 2), labels.long(), ignore_index=_IGNORED)
         return (logits, new_caches) if return_caches else logits

@@ -119,7 +119,7 @@ def _direct_calls() -> None:
     # A static step's linear layers: float32 master weights under autocast, both segments.
     rows, weight = torch.randn(4, 64, dtype=dtype), torch.randn(48, 64)
     decode_linears((rows, rows), (weight, weight[:16]), (None, torch.randn(16)), dtype)
-    decode_linears((rows, rows), (weight, weight), (torch.randn(48),) * 2, dtype, relu=True,
+    decode_linears((rows, rows), (weight, weight), (torch.randn(48),) * 2, dtype, activation="relu",
                    only=CompleteWindows(position, 2, 4, 2))
     logits = torch.randn(3, 2, 4, 1, dtype=dtype)
     gated_sum_of_logits(logits, *torch.randn(3, 2, 4, 1, 32, dtype=dtype))

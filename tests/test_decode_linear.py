@@ -1,6 +1,6 @@
 """The decoding steps' linear layers (``kernels/decode_linear.py``) against ``F.linear``:
 one or two layers per launch, shared or separate inputs, biases or none, weights kept in
-another dtype than the one computed in, ReLU, and the compression networks' restriction
+another dtype than the one computed in, ReLU and GELU, and the compression networks' restriction
 to rows whose window is complete.
 
 Without CUDA the kernel runs under the Triton interpreter on small problems. Every output
@@ -28,10 +28,13 @@ def _random(shape, generator, dtype, scale=1.0):
     return (torch.randn(shape, generator=generator) * scale).to(DEVICE, dtype)
 
 
-def _reference(x, w, b, dtype, relu):
-    """F.linear with every operand rounded to dtype, computed in float64."""
+def _reference(x, w, b, dtype, activation=None):
+    """F.linear with every operand rounded to dtype, computed in float64, then the
+    activation (GELU, as ``nn.GELU`` after ``F.linear``: of the output rounded to dtype)."""
     y = F.linear(*(None if t is None else t.to(dtype).double() for t in (x, w, b)))
-    return y.relu() if relu else y
+    if activation == "gelu":
+        return F.gelu(y.to(dtype).double())
+    return y.relu() if activation == "relu" else y
 
 
 def _check(outputs, wanted, dtype, tolerance):
@@ -55,7 +58,7 @@ def test_two_layers_on_one_input_match_f_linear(rows, dtype, weight_dtype, toler
     weights = [_random((n, k), gen, weight_dtype, k**-0.5) for n in (37, 9)]
     biases = [None, _random((9,), gen, torch.float32)]
     outputs = decode_linears([x, x], weights, biases, dtype)
-    _check(outputs, [_reference(x, w, b, dtype, False) for w, b in zip(weights, biases)], dtype, tolerance)
+    _check(outputs, [_reference(x, w, b, dtype) for w, b in zip(weights, biases)], dtype, tolerance)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
@@ -66,15 +69,31 @@ def test_two_layers_on_their_own_inputs_with_relu(dtype, tolerance):
     inputs = [_random((5, 64), gen, dtype), _random((5, 48), gen, dtype)]
     weights = [_random((40, 64), gen, dtype, 64**-0.5), _random((24, 48), gen, dtype, 48**-0.5)]
     biases = [_random((40,), gen, dtype), _random((24,), gen, dtype)]
-    outputs = decode_linears(inputs, weights, biases, dtype, relu=True)
-    _check(outputs, [_reference(*args, dtype, True) for args in zip(inputs, weights, biases)], dtype, tolerance)
+    outputs = decode_linears(inputs, weights, biases, dtype, activation="relu")
+    _check(outputs, [_reference(*args, dtype, "relu") for args in zip(inputs, weights, biases)], dtype, tolerance)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_a_feed_forward_networks_layers_with_gelu(dtype, tolerance):
+    """A transformer block's feed-forward network at a decoding step: its first layer
+    with GELU on float32 master weights (the values span GELU's curved middle), then its
+    second layer on the first's output."""
+    gen = torch.Generator().manual_seed(3)
+    x = _random((4, 96), gen, torch.float32)
+    w1, b1 = _random((130, 96), gen, torch.float32, 96**-0.5), _random((130,), gen, torch.float32)
+    w2, b2 = _random((96, 130), gen, torch.float32, 130**-0.5), _random((96,), gen, torch.float32)
+    (hidden,) = decode_linears([x], [w1], [b1], dtype, activation="gelu")
+    _check([hidden], [_reference(x, w1, b1, dtype, "gelu")], dtype, tolerance)
+    assert (hidden < 0).any() and (hidden > 0).any()
+    (y,) = decode_linears([hidden], [w2], [b2], dtype)
+    _check([y], [_reference(hidden, w2, b2, dtype)], dtype, tolerance)
 
 
 def test_one_layer_on_rows_with_a_gap():
     gen = torch.Generator().manual_seed(2)
     x, w = _random((2, 50), gen, torch.float32)[:, :40], _random((33, 40), gen, torch.float32, 40**-0.5)
     (y,) = decode_linears([x], [w], [None], torch.float32)
-    _check([y], [_reference(x, w, None, torch.float32, False)], torch.float32, 1e-5)
+    _check([y], [_reference(x, w, None, torch.float32)], torch.float32, 1e-5)
 
 
 @pytest.mark.parametrize("window, stride", [(8, 4), (6, 6)])
@@ -91,11 +110,11 @@ def test_only_rows_of_complete_windows_are_computed(window, stride):
     weights = [_random((20, 32), gen, torch.float32, 32**-0.5) for _ in range(2)]
     biases = [_random((20,), gen, torch.float32) for _ in range(2)]
     only = CompleteWindows(position, rows_per_position, window, stride)
-    outputs = decode_linears(inputs, weights, biases, torch.float32, relu=True, only=only)
+    outputs = decode_linears(inputs, weights, biases, torch.float32, activation="relu", only=only)
     start = position.cpu() + 1 - window
     complete = ((start >= 0) & (start % stride == 0)).repeat_interleave(rows_per_position)
     assert complete.tolist().count(True) == 3 * rows_per_position
-    wanted = [_reference(*args, torch.float32, True) * complete[:, None].to(DEVICE) for args in
+    wanted = [_reference(*args, torch.float32, "relu") * complete[:, None].to(DEVICE) for args in
               zip(inputs, weights, biases)]
     _check(outputs, wanted, torch.float32, 1e-5)
 
@@ -116,9 +135,13 @@ def test_gpu_the_layer_benchmarks_projections(rows, dtype):
                                                                               2048**-0.5)]
     biases = [None, _random((96,), gen, torch.float32)]
     outputs = decode_linears([x, x], weights, biases, dtype)
-    _check(outputs, [_reference(x, w, b, dtype, False) for w, b in zip(weights, biases)], dtype, 2e-2)
+    _check(outputs, [_reference(x, w, b, dtype) for w, b in zip(weights, biases)], dtype, 2e-2)
     windows = [_random((rows, 2048), gen, torch.float32) for _ in range(2)]
     first = [_random((2048, 2048), gen, torch.float32, 2048**-0.5) for _ in range(2)]
     first_biases = [_random((2048,), gen, torch.float32) for _ in range(2)]
-    outputs = decode_linears(windows, first, first_biases, dtype, relu=True)
-    _check(outputs, [_reference(*args, dtype, True) for args in zip(windows, first, first_biases)], dtype, 2e-2)
+    outputs = decode_linears(windows, first, first_biases, dtype, activation="relu")
+    _check(outputs, [_reference(*args, dtype, "relu") for args in zip(windows, first, first_biases)], dtype, 2e-2)
+    # A feed-forward network's first layer (dim 2048, expansion 4), with GELU.
+    w1, b1 = _random((8192, 2048), gen, torch.float32, 2048**-0.5), _random((8192,), gen, torch.float32)
+    (hidden,) = decode_linears([x], [w1], [b1], dtype, activation="gelu")
+    _check([hidden], [_reference(x, w1, b1, dtype, "gelu")], dtype, 2e-2)

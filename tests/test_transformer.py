@@ -13,7 +13,8 @@ from native_sparse_attention import static_cache as static_cache_module
 from native_sparse_attention.static_cache import cat_caches
 
 from joined_decoding import decode_joined
-from native_sparse_attention.transformer import top_k_filter
+from native_sparse_attention.kernels import decode_linear
+from native_sparse_attention.transformer import FeedForward, top_k_filter
 
 SPARSE_KWARGS = dict(
     sliding_window_size=6, compress_block_size=4, compress_block_sliding_stride=2,
@@ -170,6 +171,38 @@ def test_graphed_steps_equal_cached_steps_interpreted(monkeypatch, use_sparse_at
             graphed = step(ids[:, t:t + 1]).clone()
             cached, caches = model(ids[:, t:t + 1], caches=caches, return_caches=True)
             torch.testing.assert_close(graphed, cached, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="interpreter only")
+def test_feed_forward_decoding_rows_run_on_the_decoding_kernel_hooks_and_all(monkeypatch):
+    """A static decoding step's feed-forward network: both layers on ``decode_linears``,
+    the GELU in the first one's launch, the same output as its forward; a hooked GELU
+    runs as a module (hook and all), a hooked network as a whole."""
+    torch.manual_seed(1)
+    ff = FeedForward(40, expansion=2.5)
+    x = torch.randn(3, 1, 40)
+    activations = []
+    kernel = decode_linear.decode_linears
+    monkeypatch.setattr(decode_linear, "decode_linears",
+                        lambda *args, **kwargs: activations.append(kwargs.get("activation")) or kernel(*args, **kwargs))
+    with torch.no_grad():
+        expected = ff(x)
+        assert activations == []
+        torch.testing.assert_close(ff(x, decoding=True), expected, atol=1e-5, rtol=1e-5)
+        assert activations == ["gelu", None]
+
+        gelu_calls = []
+        gelu_hook = ff.net[2].register_forward_hook(lambda *_: gelu_calls.append(1))
+        activations.clear()
+        torch.testing.assert_close(ff(x, decoding=True), expected, atol=1e-5, rtol=1e-5)
+        assert activations == [None, None] and gelu_calls == [1]
+        gelu_hook.remove()
+
+        ff.net.register_forward_hook(lambda *_: gelu_calls.append(2))
+        activations.clear()
+        torch.testing.assert_close(ff(x, decoding=True), expected, atol=1e-5, rtol=1e-5)
+        assert activations == [] and gelu_calls == [1, 2]
 
 
 def _cuda_model(use_sparse_attn=True):

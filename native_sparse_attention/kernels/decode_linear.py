@@ -7,7 +7,7 @@ M: rows (a decoding step's tokens, or its tokens times kv heads); BLOCK_M of the
 program, padded to at least 16 for the tensor cores.
 Segment s = 0, 1: X_s ``[M, K_s]`` (unit stride along K), W_s ``[N_s, K_s]`` (an
 ``nn.Linear`` weight), B_s ``[N_s]`` or none, Y_s ``[M, N_s]`` contiguous;
-``Y_s = act(X_s @ W_s^T + B_s)`` with act the identity or ReLU. The two segments may share
+``Y_s = act(X_s @ W_s^T + B_s)`` with act (ACTIVATION) the identity, ReLU or the exact GELU. The two segments may share
 X (a query / key / value projection and the gates' beside it) or not (the key and the
 value compression networks).
 BLOCK_N: output columns per program; program ``pid < TILES_0`` computes columns
@@ -15,7 +15,8 @@ BLOCK_N: output columns per program; program ``pid < TILES_0`` computes columns
 step.
 COMPUTE: the dtype the products are taken in, which is Y's: X, W and B are rounded to it
 as autocast rounds a linear layer's inputs, products are summed in float32 and rounded
-once.
+once (GELU: rounded, then its float32 GELU rounded again, as ``nn.GELU`` on the rounded
+output of ``F.linear`` computes it).
 WINDOW, STRIDE, ROWS_PER_POSITION, POSITION: with ``ONLY_COMPLETE``, row m belongs to the
 batch row ``m // ROWS_PER_POSITION`` whose step token sits at ``POSITION[...]``, and only
 rows whose compression window (WINDOW tokens ending at that token) is complete are
@@ -27,7 +28,7 @@ few microseconds of bandwidth that a launch of its own roughly doubles. Under au
 each float32 weight is first cast to a bf16 copy, a kernel that reads it and writes half
 of it again, every step of a replayed CUDA graph (whose autocast cannot cache the
 copies). Reading the float32 weight in the kernel and rounding it there spares the copy;
-two layers per launch spare a launch. ``ONLY_COMPLETE`` serves the compression networks,
+two layers per launch spare a launch, and a GELU in the epilogue another. ``ONLY_COMPLETE`` serves the compression networks,
 which a decoding step runs on the window ending at its token: only one step in STRIDE
 completes a window, and the others need not read the 2048 x 2048 first layer at all
 (16 MB in bf16 at the layer benchmark's configuration, the largest read of a step).
@@ -56,6 +57,8 @@ _MAX_BLOCK_M = 64
 _BLOCK_K = 128
 _WARPS = 4
 _STAGES = 3
+_SQRT_HALF = tl.constexpr(0.7071067811865476)
+_ACTIVATIONS = (None, "relu", "gelu")
 
 
 @triton.jit
@@ -72,7 +75,7 @@ def _rows(POSITION, m_start, M, ROWS_PER_POSITION, WINDOW, STRIDE,
 
 @triton.jit
 def _linear_tile(X, W, B, Y, n_start, offs_m, active, M, N, K, stride_xm, stride_wn,
-                 HAS_BIAS: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Stores ``Y[m, n] = act(X[m] @ W[n]^T + B[n])`` of the program's tile, zero in
     rows not ``active``."""
@@ -91,8 +94,11 @@ def _linear_tile(X, W, B, Y, n_start, offs_m, active, M, N, K, stride_xm, stride
             acc = tl.dot(x.to(compute), tl.trans(w.to(compute)), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(compute).to(tl.float32)[None, :]
-    if RELU:
+    if ACTIVATION == "relu":
         acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == "gelu":
+        acc = acc.to(compute).to(tl.float32)
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * _SQRT_HALF))
     acc = tl.where(active[:, None], acc, 0.0)
     tl.store(Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc.to(compute),
              mask=(offs_m < M)[:, None] & n_ok[None, :])
@@ -103,7 +109,7 @@ def _decode_linear_kernel(
     X0, W0, B0, Y0, X1, W1, B1, Y1, POSITION,
     stride_x0, stride_w0, stride_x1, stride_w1,
     M, N0, K0, N1, K1, TILES_0, ROWS_PER_POSITION, WINDOW, STRIDE,
-    HAS_BIAS_0: tl.constexpr, HAS_BIAS_1: tl.constexpr, RELU: tl.constexpr, ONLY_COMPLETE: tl.constexpr,
+    HAS_BIAS_0: tl.constexpr, HAS_BIAS_1: tl.constexpr, ACTIVATION: tl.constexpr, ONLY_COMPLETE: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -111,10 +117,10 @@ def _decode_linear_kernel(
                            ONLY_COMPLETE, BLOCK_M)
     if pid < TILES_0:
         _linear_tile(X0, W0, B0, Y0, pid * BLOCK_N, offs_m, active, M, N0, K0, stride_x0, stride_w0,
-                     HAS_BIAS_0, RELU, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                     HAS_BIAS_0, ACTIVATION, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         _linear_tile(X1, W1, B1, Y1, (pid - TILES_0) * BLOCK_N, offs_m, active, M, N1, K1, stride_x1, stride_w1,
-                     HAS_BIAS_1, RELU, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                     HAS_BIAS_1, ACTIVATION, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @dataclass(frozen=True)
@@ -136,18 +142,19 @@ def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def decode_linears(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                   biases: Sequence[torch.Tensor | None], dtype: torch.dtype, relu: bool = False,
+                   biases: Sequence[torch.Tensor | None], dtype: torch.dtype, activation: str | None = None,
                    only: CompleteWindows | None = None) -> list[torch.Tensor]:
     """``[act(x @ w^T + b) for x, w, b in zip(inputs, weights, biases)]`` in one launch:
     one or two layers; inputs ``[m, k_i]`` with the same m, weights ``[n_i, k_i]``, biases
     ``[n_i]`` or None (copied where not of unit stride along k_i), of any floating
     dtype each. Computed as ``F.linear`` computes in ``dtype`` (autocast's, say): every
     operand rounded to ``dtype``, products summed in float32; returns ``[m, n_i]``
-    tensors of ``dtype``. ``relu`` applies ReLU to every output; ``only`` computes the rows
+    tensors of ``dtype``. ``activation`` (None, ``"relu"`` or ``"gelu"``, the exact one of
+    ``nn.GELU()``) applies to every output; ``only`` computes the rows
     with a complete compression window and writes zeros to the others. On CUDA tensors, or
     on CPU tensors under ``TRITON_INTERPRET=1``; forward only, for inputs the caller has
     validated."""
-    assert 1 <= len(inputs) == len(weights) == len(biases) <= 2
+    assert 1 <= len(inputs) == len(weights) == len(biases) <= 2 and activation in _ACTIVATIONS
     inputs, weights = [unit_stride_last(x) for x in inputs], [unit_stride_last(w) for w in weights]
     biases = [None if b is None else b.contiguous() for b in biases]
     m = inputs[0].shape[0]
@@ -170,7 +177,7 @@ def decode_linears(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tenso
         x0.stride(0), w0.stride(0), x1.stride(0), w1.stride(0),
         m, w0.shape[0], w0.shape[1], w1.shape[0], w1.shape[1], tiles[0],
         *((only.rows_per_position, only.window, only.stride) if only is not None else (1, 1, 1)),
-        HAS_BIAS_0=b0 is not None, HAS_BIAS_1=b1 is not None, RELU=relu, ONLY_COMPLETE=only is not None,
+        HAS_BIAS_0=b0 is not None, HAS_BIAS_1=b1 is not None, ACTIVATION=activation or "", ONLY_COMPLETE=only is not None,
         PRECISION=dot_precision(dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
         num_warps=_WARPS, num_stages=_STAGES,
     )
