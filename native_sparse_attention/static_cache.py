@@ -189,7 +189,7 @@ def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAtte
     from native_sparse_attention.kernels.compressed import compressed_attend_and_select_at
     from native_sparse_attention.kernels.gate_combine import gated_sum, gated_sum_of_logits
     from native_sparse_attention.kernels.rotary import rotate_at
-    from native_sparse_attention.kernels.selection import selection_attention_at
+    from native_sparse_attention.kernels.selection import selection_attention_at, selection_attention_partials_at
     from native_sparse_attention.kernels.rms_norm import normed_for_projection
 
     _check(layer, x, cache)
@@ -211,7 +211,10 @@ def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAtte
     )
     if layer.recorder is not None:
         layer._record(selected_indices=selection.indices, selected_mask=selection.mask)
-    selected_out, sliding_out = selection_attention_at(
+    # The gated sum of the logits merges the selected and sliding branches from shares of
+    # their keys: a decoding step's launch is otherwise a few long chains of key tiles.
+    attend = selection_attention_at if gates is not None else selection_attention_partials_at
+    selected_out, sliding_out = attend(
         rq, cache.keys, cache.values, layer.selection_block_size, selection.indices, selection.mask,
         layer.sliding_window_size, layer.dim_head**-0.5, position,
     )

@@ -97,6 +97,7 @@ def _direct_calls() -> None:
     from native_sparse_attention.kernels.compress_mlp import relu_mlp
     from native_sparse_attention.kernels.decode_linear import CompleteWindows, decode_linears
     from native_sparse_attention.kernels.gate_combine import gated_sum_of_logits
+    from native_sparse_attention.kernels.selection import PartialOutputs, selection_attention_partials_at
     from native_sparse_attention.kernels.projection import project
     from native_sparse_attention.kernels.rotary import apply_rotary, split_heads_and_rotate
 
@@ -121,8 +122,16 @@ def _direct_calls() -> None:
     decode_linears((rows, rows), (weight, weight[:16]), (None, torch.randn(16)), dtype)
     decode_linears((rows, rows), (weight, weight), (torch.randn(48),) * 2, dtype, activation="relu",
                    only=CompleteWindows(position, 2, 4, 2))
+    decode_linears((rows,), (weight,), (torch.randn(48),), dtype, activation="gelu")
     logits = torch.randn(3, 2, 4, 1, dtype=dtype)
     gated_sum_of_logits(logits, *torch.randn(3, 2, 4, 1, 32, dtype=dtype))
+    branch = torch.randn(2, 4, 1, 32, dtype=dtype)
+    shares = PartialOutputs(torch.randn(2, 4, 3, 1, 32), torch.randn(2, 4, 3, 1))
+    gated_sum_of_logits(logits, branch, shares, shares)
+    # A static step's selection and window in shares of their keys.
+    keys, selected = torch.randn(2, 2, 70, 32, dtype=dtype), torch.tensor([0, 1]).expand(2, 2, 1, 2)
+    selection_attention_partials_at(branch, keys, keys, 32, selected, torch.ones(2, 2, 1, 2, dtype=torch.bool), 16,
+                                    32**-0.5, position, shares=(2, 2))
     # One query on one kv head: few programs, so the key tiles and selection blocks split.
     query, keys = torch.randn(1, 2, 1, 32, dtype=dtype), torch.randn(1, 1, 70, 32, dtype=dtype)
     compressed_attend_and_select_at(query, keys, keys, torch.tensor([500]), 16, 8, 1, 32, 2, share_selection=True)

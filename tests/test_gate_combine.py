@@ -69,6 +69,44 @@ def test_gated_sum_of_logits_takes_the_sigmoid_in_the_kernel(poison, dtype):
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("sliding_in_shares", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_sum_of_logits_merges_branches_in_shares(poison, dtype, sliding_in_shares):
+    """The selected (and sliding) branch of a decoding step in shares of its keys
+    (``selection.PartialOutputs``): merged by their LSEs in the kernel, rows of three, one
+    and no shares with keys, then rounded to the branches' dtype and gated as a whole
+    branch would be."""
+    poison(gate_combine)
+    gen = torch.Generator().manual_seed(4)
+    b, h, d = 3, 4, 24
+    logits = rearrange(torch.randn(b, 1, h * 3, generator=gen).to(DEVICE, dtype), "b n (h s) -> s b h n", s=3)
+    compressed, sliding = (torch.randn(b, h, 1, d, generator=gen).to(DEVICE, dtype) for _ in range(2))
+
+    def shares_and_merged(count):
+        out = torch.randn(b, h, count, 1, d, generator=gen)
+        lse = torch.randn(b, h, count, 1, generator=gen) * 3
+        lse[0, :, 3:] = float("-inf")  # shares without keys
+        lse[1, 0, 1:] = float("-inf")
+        lse[2, 1] = float("-inf")  # no keys at all
+        out[lse.isneginf()] = 0.0
+        weights = torch.softmax(lse.double(), dim=2).nan_to_num(0.0)
+        merged = (weights[..., None] * out.double()).sum(2)
+        shares = selection_kernels.PartialOutputs(out.to(DEVICE), lse.to(DEVICE))
+        torch.testing.assert_close(shares.merge()[0].double(), merged.to(DEVICE), atol=1e-6, rtol=1e-6)
+        assert torch.equal(shares.merge()[1].isneginf().cpu(), lse.isneginf().all(2))
+        return shares, merged.to(DEVICE, dtype)
+
+    selected_shares, selected = shares_and_merged(5)
+    sliding_branch = sliding
+    if sliding_in_shares:
+        sliding_branch, sliding = shares_and_merged(4)
+    out = gated_sum_of_logits(logits, compressed, selected_shares, sliding_branch)
+    want = eager(logits.sigmoid().double(), compressed.double(), selected.double(), sliding.double())
+    assert out.shape == (b, 1, h * d) and out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
 def test_rejects_mismatched_shapes():
     branch = torch.zeros(1, 2, 4, 8, device=DEVICE)
     with pytest.raises(ValueError, match="gates"):

@@ -398,6 +398,46 @@ def test_position_read_on_the_device_matches_q_offset(case, q_offset):
             torch.testing.assert_close(actual[rows], wanted, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("shares", [(1, 1), (2, 3), (5, 1), (40, 40)])
+def test_shares_of_the_keys_merge_into_the_whole_outputs(shares, monkeypatch):
+    """A decoding step's selection and window in shares of each query's key sets and
+    window key tiles (more shares than either too: the spare ones hold no keys): merged,
+    the shares give the unsplit outputs and the reference's LSEs. The rows of the batch
+    sit at different positions, one of them near the start."""
+    case, q_offset = CONTINUATIONS["decode_step_group16_fp16"]
+    case = replace(case, b=3, window=40)
+    # Window key tiles of 16 keys: three or four of them per row.
+    default = selection_kernels.default_launch_config
+    monkeypatch.setattr(selection_kernels, "default_launch_config",
+                        lambda *args, **kwargs: replace(default(*args, **kwargs), window_n=16))
+    q, k, v, indices, fmask, _ = make_inputs(case, seed=9)
+    offsets = (q_offset, q_offset - 7, 20)
+
+    def at_offsets(t):
+        return torch.stack([t[row, :, offset] for row, offset in enumerate(offsets)])[:, :, None]
+
+    q, indices, fmask = at_offsets(q.detach()), at_offsets(indices), at_offsets(fmask)
+    k, v = k.detach(), v.detach()
+    args = (q, k, v, case.block_size, indices, fmask, case.window, q.shape[-1] ** -0.5,
+            torch.tensor(offsets, device=DEVICE))
+    selected, sliding = selection_kernels.selection_attention_partials_at(*args, shares=shares)
+    for branch, count in zip((selected, sliding), shares):
+        assert branch.out.shape == (3, case.hq, count, 1, case.d) and branch.lse.shape == (3, case.hq, count, 1)
+        assert branch.out.dtype == branch.lse.dtype == torch.float32
+    tol = tolerance(case.dtype)
+    for branch, whole in zip((selected, sliding), selection_kernels.selection_attention_at(*args)):
+        torch.testing.assert_close(branch.merge()[0], whole.float(), atol=tol, rtol=tol)
+    for row, offset in enumerate(offsets):
+        q64, k64, v64 = (t[row:row + 1].double() for t in (q, k[:, :, :offset + 1], v[:, :, :offset + 1]))
+        _, ref_lse = selected_attend(q64, k64, v64, case.block_size, indices[row:row + 1], fmask[row:row + 1],
+                                     None, include_block_causal=True, q_offset=offset)
+        _, ref_sliding_lse = sliding_window_attend(q64, k64, v64, case.window, causal=True, q_offset=offset)
+        for branch, ref in ((selected, ref_lse), (sliding, ref_sliding_lse)):
+            torch.testing.assert_close(branch.merge()[1][row:row + 1].double(), ref, atol=tol * 10, rtol=tol)
+    if shares == (40, 40):
+        assert torch.isneginf(selected.lse).any() and torch.isneginf(sliding.lse).any()
+
+
 def test_query_offset_refuses_gradients():
     kwargs = _valid_arguments()
     kwargs.update(q=torch.zeros(1, 4, 2, 16, requires_grad=True),

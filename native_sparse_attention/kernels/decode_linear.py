@@ -28,10 +28,11 @@ few microseconds of bandwidth that a launch of its own roughly doubles. Under au
 each float32 weight is first cast to a bf16 copy, a kernel that reads it and writes half
 of it again, every step of a replayed CUDA graph (whose autocast cannot cache the
 copies). Reading the float32 weight in the kernel and rounding it there spares the copy;
-two layers per launch spare a launch, and a GELU in the epilogue another. ``ONLY_COMPLETE`` serves the compression networks,
-which a decoding step runs on the window ending at its token: only one step in STRIDE
-completes a window, and the others need not read the 2048 x 2048 first layer at all
-(16 MB in bf16 at the layer benchmark's configuration, the largest read of a step).
+two layers per launch spare a launch, and a GELU in the epilogue another.
+``ONLY_COMPLETE`` serves the compression networks, which a decoding step runs on the
+window ending at its token: only one step in STRIDE completes a window, and the others
+need not read the 2048 x 2048 first layer at all (16 MB in bf16 at the layer benchmark's
+configuration, the largest read of a step).
 """
 
 from __future__ import annotations
@@ -49,14 +50,17 @@ from native_sparse_attention.kernels.library import cdiv, dot_precision, next_po
 
 __all__ = ["CompleteWindows", "decode_linears"]
 
-# Column tiles by row tile (32 columns of 128-element steps in four warps and three stages
-# were the fastest at 1 to 64 rows of the layer benchmark's projection and compression
-# networks on an H100, but for 32 rows, where 16 columns were).
-_BLOCK_N = {16: 32, 32: 16, 64: 32}
+# (BLOCK_N, BLOCK_K, stages) by row tile, in four warps. A sweep at 1 to 64 rows of the
+# layer benchmark's projection and compression networks alone on an H100 put 32 columns of
+# 128-element steps in three stages ahead, but 16 columns at 32 rows. At 16 rows, timed in
+# the replayed decoding step of one layer (4k cached tokens; batches of 1 and 8), 64-element
+# steps in six stages were ahead of them: the step's linear layers 25.3 -> 22.1 us and
+# 27.8 -> 24.7 us (the shapes tried: 16, 32 or 64 columns, 64 to 256 elements, 2 to 8 warps,
+# 3 to 6 stages). Its first launch has 75 programs, too few to fill the GPU: finer steps in
+# more stages keep more of each program's weight reads in flight.
+_TILES = {16: (32, 64, 6), 32: (16, 128, 3), 64: (32, 128, 3)}
 _MAX_BLOCK_M = 64
-_BLOCK_K = 128
 _WARPS = 4
-_STAGES = 3
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
 _ACTIVATIONS = (None, "relu", "gelu")
 
@@ -164,7 +168,7 @@ def decode_linears(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tenso
     device = inputs[0].device
     outputs = [_allocate((m, w.shape[0]), dtype, device) for w in weights]
     block_m = min(max(next_power_of_2(m), 16), _MAX_BLOCK_M)
-    block_n = _BLOCK_N[block_m]
+    block_n, block_k, stages = _TILES[block_m]
     tiles = [cdiv(w.shape[0], block_n) for w in weights]
     # Both segments' arguments; a lone layer's second segment is never reached.
     segments = list(zip(inputs, weights, biases, outputs))
@@ -177,8 +181,9 @@ def decode_linears(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tenso
         x0.stride(0), w0.stride(0), x1.stride(0), w1.stride(0),
         m, w0.shape[0], w0.shape[1], w1.shape[0], w1.shape[1], tiles[0],
         *((only.rows_per_position, only.window, only.stride) if only is not None else (1, 1, 1)),
-        HAS_BIAS_0=b0 is not None, HAS_BIAS_1=b1 is not None, ACTIVATION=activation or "", ONLY_COMPLETE=only is not None,
-        PRECISION=dot_precision(dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
-        num_warps=_WARPS, num_stages=_STAGES,
+        HAS_BIAS_0=b0 is not None, HAS_BIAS_1=b1 is not None, ACTIVATION=activation or "",
+        ONLY_COMPLETE=only is not None,
+        PRECISION=dot_precision(dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=_WARPS, num_stages=stages,
     )
     return outputs

@@ -10,6 +10,10 @@ OUT: ``[Z, N, H * D]`` contiguous, the layout the output projection reads, so he
 merged without a transpose copy.
 
 Forward:  ``OUT[z, n, h * D + d] = sum_k G[k, z, h, n] * Bk[z, h, n, d]``, in float32.
+A decoding step's B1 and B2 may come in SHARES_1, SHARES_2 > 0 shares of their keys
+(``selection.PartialOutputs``: Bk ``[Z, H, SHARES_k, N, D]`` and LSEk ``[Z, H, SHARES_k, N]``
+float32, contiguous), which the forward merges and rounds to B0's dtype, as the unsplit
+branches store their outputs, before weighing them.
 Backward: ``dBk = G[k] * dOUT`` and ``dG[k] = sum_d dOUT * Bk``, one pass over dOUT.
 
 Against the eager formula (three products, two sums and a head-merging copy, each a
@@ -43,6 +47,7 @@ from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
     cdiv, head_strides, launcher_op, matmul_as, next_power_of_2, side_by_side, unit_stride_last,
 )
+from native_sparse_attention.kernels.selection import PartialOutputs
 from native_sparse_attention.selection import BlockSelection
 
 __all__ = ["gated_branches", "gated_sum", "gated_sum_of_logits"]
@@ -99,14 +104,54 @@ def _branch_offsets(z, h, n_start,
 
 
 @triton.jit
+def _branch(B, LSE, offsets, mask, z, h, n_start, H, N, SHARES: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """A branch's output rows in float32: loaded at ``offsets``, or with SHARES > 0 merged
+    from its shares and rounded to DTYPE."""
+    if SHARES > 0:
+        return _merged_shares(B, LSE, z, h, n_start, H, N, SHARES, BLOCK_N, BLOCK_D, HEAD_DIM).to(DTYPE).to(tl.float32)
+    return tl.load(B + offsets, mask=mask).to(tl.float32)
+
+
+@triton.jit
+def _merged_shares(B, LSE, z, h, n_start, H, N, SHARES: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The output over all SHARES shares of the rows ``n_start ..`` of head [z, h], float32
+    (0 where no share has keys): share s weighs ``exp(lse_s - lse)``."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_n < N
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    first_share = (z.to(tl.int64) * H + h) * SHARES
+    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # Unrolled: a loop would wait for each share's loads in turn.
+    for share in tl.static_range(SHARES):
+        rows = (first_share + share) * N + offs_n
+        share_lse = tl.load(LSE + rows, mask=row_ok, other=float("-inf"))
+        share_out = tl.load(B + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m_i, share_lse)
+        # Rows without keys so far keep a maximum of -inf: weigh against 0, not NaN.
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_base)
+        weight = tl.exp(share_lse - m_base)
+        acc = acc * alpha[:, None] + share_out * weight[:, None]
+        l_i = l_i * alpha + weight
+        m_i = m_new
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _gated_sum_fwd_kernel(
-    G, B0, B1, B2, OUT,
+    G, B0, B1, B2, OUT, LSE1, LSE2,
     stride_gk, stride_gz, stride_gh, stride_gn,
     stride_0z, stride_0h, stride_0n,
     stride_1z, stride_1h, stride_1n,
     stride_2z, stride_2h, stride_2n,
     H, N,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SIGMOID: tl.constexpr = False,
+    SHARES_1: tl.constexpr = 0, SHARES_2: tl.constexpr = 0,
 ):
     _, z, h, n_start = _program_tile(H, BLOCK_N)
     g0, g1, g2 = _load_gates(G, z, h, n_start, stride_gk, stride_gz, stride_gh, stride_gn, N,
@@ -114,9 +159,10 @@ def _gated_sum_fwd_kernel(
     o0, o1, o2, mask = _branch_offsets(z, h, n_start, stride_0z, stride_0h, stride_0n,
                                        stride_1z, stride_1h, stride_1n, stride_2z, stride_2h,
                                        stride_2n, N, BLOCK_N, BLOCK_D, HEAD_DIM)
-    out = (g0[:, None] * tl.load(B0 + o0, mask=mask).to(tl.float32)
-           + g1[:, None] * tl.load(B1 + o1, mask=mask).to(tl.float32)
-           + g2[:, None] * tl.load(B2 + o2, mask=mask).to(tl.float32))
+    dtype = B0.dtype.element_ty
+    selected = _branch(B1, LSE1, o1, mask, z, h, n_start, H, N, SHARES_1, BLOCK_N, BLOCK_D, HEAD_DIM, dtype)
+    sliding = _branch(B2, LSE2, o2, mask, z, h, n_start, H, N, SHARES_2, BLOCK_N, BLOCK_D, HEAD_DIM, dtype)
+    out = g0[:, None] * tl.load(B0 + o0, mask=mask).to(tl.float32) + g1[:, None] * selected + g2[:, None] * sliding
     # OUT is [Z, N, H, D]: head h of token n at (z * N + n) * H * D + h * HEAD_DIM.
     o_out, _ = _rows(z, h, n_start, N * H * HEAD_DIM, HEAD_DIM, H * HEAD_DIM, N, BLOCK_N,
                      BLOCK_D, HEAD_DIM)
@@ -212,19 +258,30 @@ def _fake_forward(gates, branch0, branch1, branch2):
     return branch0.new_empty((b, n, h * d), dtype=torch.promote_types(gates.dtype, branch0.dtype))
 
 
-def _launch_forward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor, branch2: torch.Tensor,
-                    sigmoid: bool) -> torch.Tensor:
+def _launch_forward(gates: torch.Tensor, branch0: torch.Tensor, branch1: torch.Tensor | PartialOutputs,
+                    branch2: torch.Tensor | PartialOutputs, sigmoid: bool) -> torch.Tensor:
     b, h, n, d = branch0.shape
     out_dtype = torch.promote_types(gates.dtype, branch0.dtype)
     out = _allocate((b, n, h * d), out_dtype, branch0.device)
-    grid = (b * h, cdiv(n, _BLOCK_N))
+    block_n = min(_BLOCK_N, next_power_of_2(n))
+    grid = (b * h, cdiv(n, block_n))
+    (branch1, lse1, strides1, shares1), (branch2, lse2, strides2, shares2) = (
+        _branch_operands(branch, out) for branch in (branch1, branch2))
     launch(_gated_sum_fwd_kernel, grid,
-        gates, branch0, branch1, branch2, out,
+        gates, branch0, branch1, branch2, out, lse1, lse2,
         *gates.stride(),
-        *head_strides(branch0), *head_strides(branch1), *head_strides(branch2),
-        h, n, HEAD_DIM=d, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(d), SIGMOID=sigmoid,
+        *head_strides(branch0), *strides1, *strides2,
+        h, n, HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=_block_d(d), SIGMOID=sigmoid, SHARES_1=shares1, SHARES_2=shares2,
     )
     return out
+
+
+def _branch_operands(branch: torch.Tensor | PartialOutputs, unread: torch.Tensor):
+    """(output, LSE, head strides, SHARES) of a branch for ``_gated_sum_fwd_kernel``."""
+    if isinstance(branch, PartialOutputs):
+        # The shares' layout is fixed: their strides go unread.
+        return branch.out.contiguous(), branch.lse.contiguous(), (0, 0, 0), branch.out.shape[2]
+    return branch, unread, head_strides(branch), 0
 
 
 @launcher_op("gated_sum", _fake_forward)
@@ -290,13 +347,17 @@ def gated_sum(gates: torch.Tensor, compressed: torch.Tensor, selected: torch.Ten
     return _GatedSum.apply(gates, *branches)
 
 
-def gated_sum_of_logits(logits: torch.Tensor, compressed: torch.Tensor, selected: torch.Tensor,
-                        sliding: torch.Tensor) -> torch.Tensor:
+def gated_sum_of_logits(logits: torch.Tensor, compressed: torch.Tensor, selected: torch.Tensor | PartialOutputs,
+                        sliding: torch.Tensor | PartialOutputs) -> torch.Tensor:
     """``gated_sum(logits.sigmoid(), ...)`` with the sigmoid taken in the kernel: a
     decoding step's gates without a launch of their own. logits: [3, b, h, n], any strides
     (the projection's gate columns rearranged ``b n (h s) -> s b h n``); the gates are
-    rounded to its dtype. Forward only, for inputs the caller has validated."""
-    return _launch_forward(logits, *(unit_stride_last(t) for t in (compressed, selected, sliding)), sigmoid=True)
+    rounded to its dtype. ``selected`` and ``sliding`` may come in shares of their keys
+    (``selection.selection_attention_partials_at``), merged here and rounded to the
+    compressed branch's dtype. Forward only, for inputs the caller has validated."""
+    selected, sliding = (branch if isinstance(branch, PartialOutputs) else unit_stride_last(branch)
+                         for branch in (selected, sliding))
+    return _launch_forward(logits, unit_stride_last(compressed), selected, sliding, sigmoid=True)
 
 
 def _folded_lses(gates: torch.Tensor, *lses: torch.Tensor) -> torch.Tensor:

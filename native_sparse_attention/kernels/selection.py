@@ -42,8 +42,10 @@ TILES_PER_BLOCK fine blocks, so any multiple of 16 works as BLOCK_SIZE. (Several
 positions per program, one warp each through a batched [positions, ROWS, D] dot, ran
 1.6x-1.8x slower than one position per program at 32 heads on 2 kv heads on an H100.)
 
-- ``_fwd_kernel``: online softmax over the key sets' tiles. With SLIDING the same launch
-  can also run the window: its first NUM_WINDOW_TILES programs along axis 0 each take a
+- ``_fwd_kernel``: online softmax over the key sets' tiles (a decoding step's in shares of
+  the sets and of the window's key tiles, which run side by side and leave partial
+  outputs for the gated sum to merge: ``selection_attention_partials_at``). With SLIDING
+  the same launch can also run the window: its first NUM_WINDOW_TILES programs along axis 0 each take a
   window tile (``sliding_window.window_forward``), the others one query position each.
   Where the window wants other warps than the selection's one-warp programs, the kernel
   is launched twice instead, once for each kind of program: at 32 heads on 2 kv heads,
@@ -140,6 +142,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 import triton
@@ -159,15 +162,16 @@ from native_sparse_attention.kernels.attention_tiles import (
 )
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
-    cdiv, dot_precision, launcher_op, next_power_of_2, position_in_memory, register_cap, row_tiles, side_by_side,
-    start_position,
+    cdiv, dot_precision, launcher_op, multiprocessors, next_power_of_2, position_in_memory, register_cap, row_tiles,
+    side_by_side, start_position,
 )
 from native_sparse_attention.kernels.selection_inverse import (
     KeyBlockEntries, fake_key_block_entries, key_block_entries,
 )
 from native_sparse_attention.kernels.sliding_window import window_dkv_kernel, window_dq_kernel, window_forward
 
-__all__ = ["LaunchConfig", "default_launch_config", "selection_attention", "selection_attention_at"]
+__all__ = ["LaunchConfig", "PartialOutputs", "default_launch_config", "selection_attention", "selection_attention_at",
+           "selection_attention_partials_at"]
 
 MIN_ROWS = 16  # tl.dot needs M, N and K of at least 16
 FEW_QUERIES = 16  # forwards of at most this many queries: see default_launch_config
@@ -248,16 +252,18 @@ def _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, order, t, offs_
 
 @triton.jit
 def _selection_forward(
-    Q, K_TILES, V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, r, z, sel_head, kv_head, first_head,
+    Q, K_TILES, V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, r, split, z, sel_head, kv_head, first_head,
     stride_qz, stride_qh, stride_qn, stride_qd,
     M, Q_START, N, HQ, HS, scale2,
     SEL: tl.constexpr, NUM_SETS: tl.constexpr, SETS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FINE_N: tl.constexpr,
     SEL_SHARED_HEADS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Selected attention of query row ``r`` (position ``Q_START + r``) for the program's
     ROWS query heads; K_TILES, V_TILES: TMA descriptors of [FINE_N, D_PAD] key and value
-    tiles."""
+    tiles. Over share ``split`` of the SPLITS shares of the row's key sets that hold keys
+    (whole sets, as even as they divide; a share without any stores 0 and an LSE of -inf),
+    into O [Z, HQ, SPLITS, M, D] and LSE [Z, HQ, SPLITS, M]."""
     TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // FINE_N
     i = Q_START + r
     rows = tl.arange(0, ROWS)
@@ -275,12 +281,14 @@ def _selection_forward(
     blocks, multipliers, order, num_sets = _key_sets(SEL_IDX, SEL_MASK, SEL_SCALE, sel_row, i, N, SEL, NUM_SETS,
                                                      SETS_PAD, BLOCK_SIZE, HAS_SEL_SCALE)
     key_end = i + 1 if CAUSAL else N
-    for t in range(0, num_sets * TILES_PER_BLOCK):
+    first_set, end_set = split * num_sets // SPLITS, (split + 1) * num_sets // SPLITS
+    for t in range(first_set * TILES_PER_BLOCK, end_set * TILES_PER_BLOCK):
         k, v, key_ok, multiplier = _set_tile(K_TILES, V_TILES, z, kv_head, blocks, multipliers, order, t, offs_n,
                                              key_end, BLOCK_SIZE, FINE_N, D_PAD)
         m_i, l_i, acc = softmax_tile(q, k, v, key_ok[None, :], scale2 * multiplier, m_i, l_i, acc, DOT_PRECISION)
-    out_rows = dense_rows(z, heads, r, HQ, M, D)
-    lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
+    share = heads * SPLITS + split
+    out_rows = dense_rows(z, share, r, HQ * SPLITS, M, D)
+    lse_rows = (z.to(tl.int64) * HQ * SPLITS + share) * M + r
     store_attention(O, LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
 
 
@@ -299,35 +307,42 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr, HAS_SEL_SCALE: tl.constexpr,
     SLIDING: tl.constexpr, WINDOW: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr,
     WINDOW_N: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
+    HAS_DOCS: tl.constexpr, SPLITS: tl.constexpr, WINDOW_SPLITS: tl.constexpr,
 ):
-    """Programs [0, NUM_WINDOW_TILES) of axis 0 run window tiles (only with SLIDING: they
-    read the keys and values through the TMA descriptors WINDOW_K_TILES and
-    WINDOW_V_TILES), the others query row ``program_id(0) - NUM_WINDOW_TILES`` of the
-    selection (through K_TILES and V_TILES, of FINE_N-key tiles). GATED (a
-    launch of window tiles alone, after the selection's): the window tiles also write the
-    layer's gated sum MERGED [Z, M, HQ * D] from GATES [3, Z, HQ, M] (any strides), the
-    compressed branch's OUT_C and the selection's O (``window_forward``). HAS_DOCS: the
+    """Programs [0, NUM_WINDOW_TILES * WINDOW_SPLITS) of axis 0 run the WINDOW_SPLITS
+    shares of each window tile, program ``tile * WINDOW_SPLITS + share`` (only with
+    SLIDING: they read the keys and values through the TMA descriptors WINDOW_K_TILES and
+    WINDOW_V_TILES; SWA_O and SWA_LSE hold each share's output, ``window_forward``), the
+    others the SPLITS shares of each query row of the selection, program
+    ``NUM_WINDOW_TILES * WINDOW_SPLITS + row * SPLITS + share`` (through K_TILES and
+    V_TILES, of FINE_N-key tiles; O and LSE hold each share's output,
+    ``_selection_forward``). GATED (a launch of window tiles alone, after the selection's,
+    in one share): the window tiles also write the layer's gated sum MERGED [Z, M, HQ * D]
+    from GATES [3, Z, HQ, M] (any strides), the compressed branch's OUT_C and the
+    selection's O (``window_forward``). HAS_DOCS: the
     window tiles keep to the documents of DOC_START [Z, M]; the selection needs no mask,
     its blocks lying in the query's document."""
     pid = tl.program_id(0)
     z, sel_head, kv_head, first_head = program_heads(SEL_SHARED_HEADS, GQA_SHARED_HEADS)
     Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY, z)
     scale2 = sm_scale * LOG2E
-    if pid < NUM_WINDOW_TILES:
+    if pid < NUM_WINDOW_TILES * WINDOW_SPLITS:
         if SLIDING:
             window_forward(
-                Q, WINDOW_K_TILES, WINDOW_V_TILES, SWA_O, SWA_LSE, pid, z, kv_head, first_head,
+                Q, WINDOW_K_TILES, WINDOW_V_TILES, SWA_O, SWA_LSE, pid // WINDOW_SPLITS, pid % WINDOW_SPLITS, z,
+                kv_head, first_head,
                 stride_qz, stride_qh, stride_qn, stride_qd, M, Q_START, N, HQ, scale2,
                 GATES, OUT_C, O, MERGED, stride_gk, stride_gz, stride_gh, stride_gn, DOC_START,
                 SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS, WINDOW_N, D, D_PAD, CAUSAL, WINDOW, GATED, DOT_PRECISION,
-                HAS_DOCS,
+                HAS_DOCS, WINDOW_SPLITS,
             )
     else:
+        program = pid - NUM_WINDOW_TILES * WINDOW_SPLITS
         _selection_forward(
-            Q, K_TILES, V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, pid - NUM_WINDOW_TILES, z, sel_head, kv_head,
-            first_head, stride_qz, stride_qh, stride_qn, stride_qd, M, Q_START, N, HQ, HS, scale2, SEL, NUM_SETS,
-            SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS, ROWS, D, D_PAD, CAUSAL, HAS_SEL_SCALE, DOT_PRECISION,
+            Q, K_TILES, V_TILES, SEL_IDX, SEL_MASK, SEL_SCALE, O, LSE, program // SPLITS, program % SPLITS, z,
+            sel_head, kv_head, first_head, stride_qz, stride_qh, stride_qn, stride_qd, M, Q_START, N, HQ, HS, scale2,
+            SEL, NUM_SETS, SETS_PAD, BLOCK_SIZE, FINE_N, SEL_SHARED_HEADS, ROWS, D, D_PAD, CAUSAL, HAS_SEL_SCALE,
+            DOT_PRECISION, SPLITS,
         )
 
 
@@ -1143,21 +1158,34 @@ def _merged_dtype(gates: torch.Tensor, q: torch.Tensor) -> torch.dtype:
 
 def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: torch.Tensor | None = None,
              gates: torch.Tensor | None = None, compressed_out: torch.Tensor | None = None,
-             table: KeyBlockEntries | None = None, document_start: torch.Tensor | None = None):
+             table: KeyBlockEntries | None = None, document_start: torch.Tensor | None = None,
+             shares: tuple[int, int] | None = None):
     """(out, lse, swa_out, swa_lse, merged); the window's two are empty without a window.
     ``table``: the selection's inversion, which a key-major forward reads.
-    ``document_start``: see ``_launch_forward``.
+    ``document_start``: see ``_launch_forward``. ``shares`` (query-side, ungated): the
+    selection's and the window's outputs in (selection, window) shares of their keys, out
+    and lse float32 [b, hq, shares, n, d] and [b, hq, shares, n], as swa_out and swa_lse
+    (``_selection_forward``, ``sliding_window.window_forward``).
 
     ``position``: a ``[b]`` int64 device tensor holding each batch row's position of query
     row 0, read by the kernel in place of ``problem.q_offset``.
     ``gates`` [3, b, hq, n] and ``compressed_out`` (contiguous [b, hq, n, d]): where
     ``_folds_gates``, ``merged`` is the layer's gated sum [b, n, hq * d]; else empty."""
     b, hq, n, d = problem.batch, problem.query_heads, problem.seq_len, problem.head_dim
-    out = _empty((b, hq, n, d), q.dtype, q.device)
-    lse = _empty((b, hq, n), torch.float32, q.device)
     sliding = problem.window is not None
-    swa_out = _empty((b, hq, n, d) if sliding else (0,), q.dtype, q.device)
-    swa_lse = _empty((b, hq, n) if sliding else (0,), torch.float32, q.device)
+    if shares is not None:
+        assert gates is None and not problem.key_major_forward
+        splits, window_splits = shares
+        out = _empty((b, hq, splits, n, d), torch.float32, q.device)
+        lse = _empty((b, hq, splits, n), torch.float32, q.device)
+        swa_out = _empty((b, hq, window_splits, n, d) if sliding else (0,), torch.float32, q.device)
+        swa_lse = _empty((b, hq, window_splits, n) if sliding else (0,), torch.float32, q.device)
+    else:
+        splits = window_splits = 1
+        out = _empty((b, hq, n, d), q.dtype, q.device)
+        lse = _empty((b, hq, n), torch.float32, q.device)
+        swa_out = _empty((b, hq, n, d) if sliding else (0,), q.dtype, q.device)
+        swa_lse = _empty((b, hq, n) if sliding else (0,), torch.float32, q.device)
     gated = gates is not None and _folds_gates(problem)
     if gated:
         assert compressed_out.is_contiguous() and compressed_out.shape == q.shape
@@ -1180,7 +1208,7 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
         else:
             window = dict(WINDOW=0, HEADS_PAD=1, WINDOW_ROWS=1, WINDOW_N=1)
             window_key_tiles = key_tiles(problem.fine_n)  # never read: any valid descriptors do
-        launch(_fwd_kernel, (window_tiles + positions, problem.selection_heads, b),
+        launch(_fwd_kernel, (window_tiles * window_splits + positions * splits, problem.selection_heads, b),
             q, *key_tiles(problem.fine_n), *window_key_tiles, sel_idx, sel_mask, sel_scale, out, lse,
             swa_out if sliding else out, swa_lse if sliding else lse,
             gates, compressed_out, merged if gated else lse, document_start if window_tiles else None,
@@ -1193,6 +1221,8 @@ def _forward(problem: _Problem, q, k, v, indices, fmask, sel_scale, position: to
             DOT_PRECISION=dot_precision(q.dtype),
             Q_START_IN_MEMORY=in_memory,
             HAS_DOCS=document_start is not None and window_tiles > 0,
+            SPLITS=splits,
+            WINDOW_SPLITS=window_splits,
             num_warps=num_warps,
             num_stages=num_stages,
             **register_cap(q.device),
@@ -1612,3 +1642,61 @@ def selection_attention_at(
     problem = _problem(q, k, selected_block_indices, False, block_size, True, sliding_window_size, scale)
     out, _, swa_out, _, _ = _forward(problem, q, k, v, selected_block_indices, fmask, None, position)
     return out, swa_out
+
+
+class PartialOutputs(NamedTuple):
+    """Attention over disjoint shares of each query's keys, which together are all of them:
+    ``out``: [b, h, splits, n, d] float32, each share's normalised output; ``lse``: [b, h,
+    splits, n] float32, its natural log-sum-exp (-inf for a share without keys). The whole
+    output weighs share s by ``exp(lse_s - logsumexp_s(lse))`` (``merge``)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    def merge(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [b, h, n, d], lse [b, h, n]) over all shares, float32; rows without keys
+        get 0 and -inf."""
+        lse = torch.logsumexp(self.lse, dim=2)
+        weights = torch.exp(self.lse - torch.where(torch.isneginf(lse), 0.0, lse)[:, :, None])
+        return (weights[..., None] * self.out).sum(2), lse
+
+
+def selection_attention_partials_at(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int,
+    selected_block_indices: torch.Tensor,
+    fmask: torch.Tensor,
+    sliding_window_size: int,
+    scale: float,
+    position: torch.Tensor,
+    shares: tuple[int, int] | None = None,
+) -> tuple[PartialOutputs, PartialOutputs]:
+    """``selection_attention_at`` with both outputs left in shares of each query's keys, for
+    a consumer that merges them (``gate_combine.gated_sum_of_logits``): ``shares`` =
+    (selection, window) shares of the selection's key sets and of the window's key tiles
+    (``_decoding_shares`` by default). Returns the selected and the sliding branch.
+
+    Unsplit, a decoding step's launch is a few programs, one window tile and one query row
+    of the selection per selection head and batch row, each bound by the latency of its
+    chain of key tiles (17 blocks of 64 keys, five window tiles of 128). Shares of the
+    chains run side by side: at the layer benchmark's configuration on an H100 (replayed
+    steps, 4k cached tokens, batch 1) the launch took 14.1 -> 4.2 us and the gated sum
+    1.3 -> 3.9 us, the step 72.1 -> 66.8 us (16k: 78.2 -> 70.3, 64k: 91.9 -> 85.1; batches
+    of 8 at 16k: 94.4 -> 89.2, of 32 at 4k: 108.0 -> 105.5)."""
+    problem = _problem(q, k, selected_block_indices, False, block_size, True, sliding_window_size, scale)
+    out, lse, swa_out, swa_lse, _ = _forward(problem, q, k, v, selected_block_indices, fmask, None, position,
+                                             shares=shares or _decoding_shares(problem, q.device))
+    return PartialOutputs(out, lse), PartialOutputs(swa_out, swa_lse)
+
+
+def _decoding_shares(problem: _Problem, device: torch.device) -> tuple[int, int]:
+    """(selection, window) shares of a decoding step's chains of key tiles: as many as give
+    about one program per SM, at most one per key set or window key tile."""
+    rows = problem.batch * problem.selection_heads
+    # The interpreter's: two each, so that short tests cover the shares.
+    per_row = multiprocessors(device) // rows if device.type == "cuda" else 2
+    window_n = problem.window_tile(for_dq=False)[1]
+    window_key_tiles = cdiv(problem.window + window_n, window_n)
+    return max(1, min(problem.constexprs["NUM_SETS"], per_row)), max(1, min(window_key_tiles, per_row))

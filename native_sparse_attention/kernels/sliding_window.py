@@ -178,18 +178,20 @@ def _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, 
 
 @triton.jit
 def window_forward(
-    Q, K_TILES, V_TILES, SWA_O, SWA_LSE, tile, z, kv_head, first_head,
+    Q, K_TILES, V_TILES, SWA_O, SWA_LSE, tile, split, z, kv_head, first_head,
     stride_qz, stride_qh, stride_qn, stride_qd,
     M, Q_START, N, HQ, scale2,
     GATES, OUT_C, OUT_S, MERGED, stride_gk, stride_gz, stride_gh, stride_gn, DOC_START,
     SEL_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, WINDOW_ROWS: tl.constexpr, WINDOW_N: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, GATED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_DOCS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_DOCS: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Sliding-window attention of the WINDOW_ROWS rows of window tile ``tile``; with
     GATED also the layer's gated sum of those rows (``_store_gated_sum``). K_TILES,
     V_TILES: TMA descriptors of [WINDOW_N, D_PAD] tiles of the keys and values. HAS_DOCS
-    (Q_START = 0): DOC_START [Z, M]."""
+    (Q_START = 0): DOC_START [Z, M]. Over share ``split`` of SPLITS shares of the tile's
+    key tiles (consecutive runs, as even as they divide), into SWA_O [Z, HQ, SPLITS, M, D]
+    and SWA_LSE [Z, HQ, SPLITS, M]; GATED takes one share."""
     r, heads, row_ok = _window_rows(tile, first_head, M, SEL_SHARED_HEADS, HEADS_PAD, WINDOW_ROWS)
     i = Q_START + r
     offs_d = tl.arange(0, D_PAD)
@@ -206,18 +208,22 @@ def window_forward(
         doc_start, doc_lo = _document_starts(DOC_START, z, r, row_ok, M)
         first, full_lo, full_hi = _document_key_tiles(first, full_lo, full_hi, hi, doc_lo, tl.max(doc_start, 0),
                                                       WINDOW_N)
-    for start in range(first, full_lo, WINDOW_N):
+    key_tiles = tl.cdiv(hi - first, WINDOW_N)
+    share_lo = first + split * key_tiles // SPLITS * WINDOW_N
+    share_hi = tl.minimum(first + (split + 1) * key_tiles // SPLITS * WINDOW_N, hi)
+    for start in range(tl.maximum(first, share_lo), tl.minimum(full_lo, share_hi), WINDOW_N):
         m_i, l_i, acc = _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, doc_start,
                                       scale2, WINDOW, CAUSAL, WINDOW_N, D_PAD, DOT_PRECISION, True)
     # From full_lo on every key lies in each row's document (``_document_key_tiles``).
-    for start in range(full_lo, full_hi, WINDOW_N):
+    for start in range(tl.maximum(full_lo, share_lo), tl.minimum(full_hi, share_hi), WINDOW_N):
         m_i, l_i, acc = _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, None,
                                       scale2, WINDOW, CAUSAL, WINDOW_N, D_PAD, DOT_PRECISION, False)
-    for start in range(full_hi, hi, WINDOW_N):
+    for start in range(tl.maximum(full_hi, share_lo), share_hi, WINDOW_N):
         m_i, l_i, acc = _forward_step(q, i, m_i, l_i, acc, K_TILES, V_TILES, z, kv_head, start, hi, None,
                                       scale2, WINDOW, CAUSAL, WINDOW_N, D_PAD, DOT_PRECISION, True)
-    out_rows = dense_rows(z, heads, r, HQ, M, D)
-    lse_rows = (z.to(tl.int64) * HQ + heads) * M + r
+    share = heads * SPLITS + split
+    out_rows = dense_rows(z, share, r, HQ * SPLITS, M, D)
+    lse_rows = (z.to(tl.int64) * HQ * SPLITS + share) * M + r
     out = store_attention(SWA_O, SWA_LSE, acc, m_i, l_i, out_rows, lse_rows, row_ok, offs_d, d_ok)
     if GATED:
         _store_gated_sum(MERGED, GATES, OUT_C, OUT_S, out, out_rows, z, heads, r, row_ok, offs_d, d_ok, M, HQ, D,
