@@ -96,6 +96,7 @@ from native_sparse_attention.kernels.library import (
     head_strides,
     is_tokens_major,
     launcher_op,
+    merge_share,
     multiprocessors,
     new_heads_tensor,
     next_power_of_2,
@@ -381,14 +382,7 @@ def _merge_partial_outputs_kernel(
         share_lse = tl.load(PARTIAL_LSE + part + rows, mask=rows < M, other=float("-inf"))
         share_out = _load_rows(PARTIAL_OUT + part * HEAD_DIM, m_start, HEAD_DIM, M, BLOCK_M,
                                BLOCK_D, HEAD_DIM)
-        m_new = tl.maximum(m_i, share_lse)
-        # Rows without keys so far keep max -inf; weigh against 0 to avoid NaN.
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_base)
-        weight = tl.exp(share_lse - m_base)
-        acc = acc * alpha[:, None] + share_out * weight[:, None]
-        l_i = l_i * alpha + weight
-        m_i = m_new
+        m_i, l_i, acc = merge_share(m_i, l_i, acc, share_lse, share_out)
     has_keys = l_i > 0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))

@@ -45,7 +45,7 @@ from native_sparse_attention.kernels import compressed as compressed_kernels
 from native_sparse_attention.kernels import selection as selection_kernels
 from native_sparse_attention.kernels.launch import launch
 from native_sparse_attention.kernels.library import (
-    cdiv, head_strides, launcher_op, matmul_as, next_power_of_2, side_by_side, unit_stride_last,
+    cdiv, head_strides, launcher_op, matmul_as, merge_share, next_power_of_2, side_by_side, unit_stride_last,
 )
 from native_sparse_attention.kernels.selection import PartialOutputs
 from native_sparse_attention.selection import BlockSelection
@@ -131,14 +131,7 @@ def _merged_shares(B, LSE, z, h, n_start, H, N, SHARES: tl.constexpr, BLOCK_N: t
         rows = (first_share + share) * N + offs_n
         share_lse = tl.load(LSE + rows, mask=row_ok, other=float("-inf"))
         share_out = tl.load(B + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m_i, share_lse)
-        # Rows without keys so far keep a maximum of -inf: weigh against 0, not NaN.
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_base)
-        weight = tl.exp(share_lse - m_base)
-        acc = acc * alpha[:, None] + share_out * weight[:, None]
-        l_i = l_i * alpha + weight
-        m_i = m_new
+        m_i, l_i, acc = merge_share(m_i, l_i, acc, share_lse, share_out)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 

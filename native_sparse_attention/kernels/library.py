@@ -285,6 +285,20 @@ def head_pointer(ptr, z, h, stride_z, stride_h):
 
 
 @triton.jit
+def merge_share(m_i, l_i, acc, share_lse, share_out):
+    """One share's rows into a running merge of attention over disjoint shares of the keys:
+    (maximum, sum of weights, weighted output) with the share's natural-log LSE ``[R]`` and
+    normalised output ``[R, C]``, share s weighing ``exp(lse_s - max)``; the merged output
+    is ``acc / l_i``."""
+    m_new = tl.maximum(m_i, share_lse)
+    # Rows without keys so far keep a maximum of -inf: weigh against 0, not NaN.
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_base)
+    weight = tl.exp(share_lse - m_base)
+    return m_new, l_i * alpha + weight, acc * alpha[:, None] + share_out * weight[:, None]
+
+
+@triton.jit
 def cast_block(SRC, DST, block, size, BLOCK: tl.constexpr):
     """Elements ``block * BLOCK ..`` of the flat ``SRC`` (``size`` in all) into ``DST``'s dtype."""
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
