@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from native_sparse_attention.compress import has_hooks
 from native_sparse_attention.full_attention import FullAttention
 from native_sparse_attention.sparse_attention import SparseAttention
-from native_sparse_attention.compress import has_hooks
 from native_sparse_attention.static_cache import StaticKVCache, capture_step, cat_caches, decoding_linear
 
 __all__ = ["Transformer", "DEFAULT_SPARSE_ATTN_KWARGS"]

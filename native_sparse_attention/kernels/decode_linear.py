@@ -7,9 +7,10 @@ M: rows (a decoding step's tokens, or its tokens times kv heads); BLOCK_M of the
 program, padded to at least 16 for the tensor cores.
 Segment s = 0, 1: X_s ``[M, K_s]`` (unit stride along K), W_s ``[N_s, K_s]`` (an
 ``nn.Linear`` weight), B_s ``[N_s]`` or none, Y_s ``[M, N_s]`` contiguous;
-``Y_s = act(X_s @ W_s^T + B_s)`` with act (ACTIVATION) the identity, ReLU or the exact GELU. The two segments may share
-X (a query / key / value projection and the gates' beside it) or not (the key and the
-value compression networks).
+``Y_s = act(X_s @ W_s^T + B_s)`` with act the identity, ReLU or the exact GELU (ACTIVATION
+"", "relu", "gelu"). The two segments may share X (a query / key / value projection and
+the gates' beside it) or not (the key and the value compression networks, or a
+feed-forward network's layers, one launch each).
 BLOCK_N: output columns per program; program ``pid < TILES_0`` computes columns
 ``pid * BLOCK_N ..`` of segment 0, the others those of segment 1. BLOCK_K: the reduction
 step.
@@ -154,8 +155,8 @@ def decode_linears(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tenso
     dtype each. Computed as ``F.linear`` computes in ``dtype`` (autocast's, say): every
     operand rounded to ``dtype``, products summed in float32; returns ``[m, n_i]``
     tensors of ``dtype``. ``activation`` (None, ``"relu"`` or ``"gelu"``, the exact one of
-    ``nn.GELU()``) applies to every output; ``only`` computes the rows
-    with a complete compression window and writes zeros to the others. On CUDA tensors, or
+    ``nn.GELU()``) applies to every output; ``only`` computes the rows with a complete
+    compression window and writes zeros to the others. On CUDA tensors, or
     on CPU tensors under ``TRITON_INTERPRET=1``; forward only, for inputs the caller has
     validated."""
     assert 1 <= len(inputs) == len(weights) == len(biases) <= 2 and activation in _ACTIVATIONS
