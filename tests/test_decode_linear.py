@@ -61,6 +61,32 @@ def test_two_layers_on_one_input_match_f_linear(rows, dtype, weight_dtype, toler
     _check(outputs, [_reference(x, w, b, dtype) for w, b in zip(weights, biases)], dtype, tolerance)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 6])
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_split_reductions_match_f_linear(splits, activation):
+    """Reductions split over several programs per output tile, whose last one sums the
+    partials and finishes the tile: 5 steps of 64 in 3 splits (2, 2, 1 steps) and in 6
+    (the last one empty), two segments of odd widths, two row tiles, GELU after the sum."""
+    gen = torch.Generator().manual_seed(splits)
+    k, dtype = 300, torch.float16
+    x = _random((20, k), gen, torch.float32)
+    weights = [_random((n, k), gen, torch.float32, k**-0.5) for n in (70, 9)]
+    biases = [_random((70,), gen, torch.float32), None]
+    outputs = decode_linears([x, x], weights, biases, dtype, activation=activation, splits=splits)
+    _check(outputs, [_reference(x, w, b, dtype, activation) for w, b in zip(weights, biases)], dtype, 2e-3)
+
+
+def test_split_reductions_are_deterministic():
+    """The last program sums the partials in their order whichever program it is: two
+    launches give the same bits, and the same result split as unsplit to float32's rounding."""
+    gen = torch.Generator().manual_seed(9)
+    x = _random((3, 512), gen, torch.float32)
+    w = _random((40, 512), gen, torch.float32, 512**-0.5)
+    first, second = (decode_linears([x], [w], [None], torch.float32, splits=4)[0] for _ in range(2))
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, decode_linears([x], [w], [None], torch.float32, splits=1)[0])
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_two_layers_on_their_own_inputs_with_relu(dtype, tolerance):
     """The key and the value compression networks' first layers: separate inputs of
@@ -145,3 +171,22 @@ def test_gpu_the_layer_benchmarks_projections(rows, dtype):
     w1, b1 = _random((8192, 2048), gen, torch.float32, 2048**-0.5), _random((8192,), gen, torch.float32)
     (hidden,) = decode_linears([x], [w1], [b1], dtype, activation="gelu")
     _check([hidden], [_reference(x, w1, b1, dtype, "gelu")], dtype, 2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_split_reductions(rows):
+    """Layers of few output tiles, whose reductions the launch splits over several
+    programs: a feed-forward network's second layer (8192 -> 2048) and a byte-level
+    model's logits (2048 -> 256), against F.linear and bit for bit across launches."""
+    gen = torch.Generator().manual_seed(rows)
+    dtype = torch.bfloat16
+    for k, n in ((8192, 2048), (2048, 256)):
+        x = _random((rows, k), gen, dtype)
+        w, b = _random((n, k), gen, torch.float32, k**-0.5), _random((n,), gen, torch.float32)
+        block_n, block_k, _ = decode_linear._TILES[16]
+        assert decode_linear._splits(n // block_n, k // block_k, None, x.device) > 1
+        (y,) = decode_linears([x], [w], [b], dtype)
+        _check([y], [_reference(x, w, b, dtype)], dtype, 2e-2)
+        for _ in range(20):
+            assert torch.equal(decode_linears([x], [w], [b], dtype)[0], y)
