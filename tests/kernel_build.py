@@ -123,6 +123,7 @@ def _direct_calls() -> None:
     decode_linears((rows, rows), (weight, weight), (torch.randn(48),) * 2, dtype, activation="relu",
                    only=CompleteWindows(position, 2, 4, 2))
     decode_linears((rows,), (weight,), (torch.randn(48),), dtype, activation="gelu")
+    decode_linears((rows,), (weight,), (None,), dtype, splits=2)  # as on GPUs, few output tiles
     logits = torch.randn(3, 2, 4, 1, dtype=dtype)
     gated_sum_of_logits(logits, *torch.randn(3, 2, 4, 1, 32, dtype=dtype))
     branch = torch.randn(2, 4, 1, 32, dtype=dtype)
