@@ -364,6 +364,8 @@ CONTINUATION_CASES = {
     "chunk_across_blocks": (1, 4, 1, 75, 16, 8, 4, 2, 16, 2, True, True, 51),
     "non_causal_chunk": (1, 2, 2, 40, 16, 4, 2, 1, 8, 3, False, True, 17),
     "decode_step_top_one": (2, 1, 1, 70, 16, 8, 4, 1, 16, 1, True, False, 69),
+    # A one-query selection scores its group's heads as the rows of one tile, here 3 of 16.
+    "decode_step_group_of_three": (2, 6, 2, 83, 16, 8, 4, 1, 16, 3, True, True, 82),
 }
 
 

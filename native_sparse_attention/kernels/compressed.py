@@ -24,7 +24,9 @@ NSEL = ceil((Q_START + M) / SBS). TOPN: blocks selected per query; TOPN_PAD: TOP
 a power of two, at least 2. HS: selection heads (HKV when a group shares its selection, HQ
 otherwise); HEADS_PER_SELECTION query heads score each one.
 BLOCK_M: query tile; BLOCK_N: key tile; BLOCK_C: compressed keys per scoring tile;
-BLOCK_S: lanes of a chunk of selection blocks, S_STEP of them used.
+BLOCK_S: lanes of a chunk of selection blocks, S_STEP of them used. HEADS_PAD: a
+group's query heads padded to a tile's rows (at least 16), where one query's heads are
+the rows of a tile (HEADS_AS_ROWS).
 SEL, DSCORE: the chosen blocks ``[Z, HS, M, TOPN]`` and the gradient of their scores;
 G = dL/dP that DSCORE adds (nonzero on the compressed keys overlapping chosen blocks);
 KEYS_PER_BLOCK: compressed keys overlapping one selection block, at most; BLOCK_J:
@@ -34,6 +36,8 @@ share the query rows of one dK / dV key tile (grid axis 2).
 Kernels
 -------
 ``_attention_fwd_kernel``: flash forward over memory + compressed keys -> OUT, LSE.
+``_one_query_fwd_kernel``: the same for one query whose kv heads are shared (a decoding
+step), the heads of each kv head as the rows of one tile.
 ``_attention_bwd_dq_kernel``: dQ, and DELTA = rowsum(dOUT * OUT), the softmax-backward
 correction, from the dOUT tile it loads anyway (at the layer benchmark's n = 65536 on an
 H100 a pass of its own took 0.19 ms and one more launch; the OUT tile took dQ from 2.62
@@ -54,9 +58,13 @@ Forwards of at most _FEW_ROWS queries (decoding steps) would run one program per
 walking the whole cache, on a GPU of a hundred SMs and more. For the steps that CUDA graphs
 replay (the query position read on the device), the forward and the selection split each
 query tile's key tiles (chunks of selection blocks) among the programs of grid axis 2,
-each leaving a partial result: (output, LSE) for ``_merge_partial_outputs_kernel``, a
-top-n for ``_merge_partial_tops_kernel``. At 64k cached tokens on an H100 this took a
-layer's replayed decoding step from 0.51 to 0.23 ms. Training-time selections of too few
+each leaving a partial result: (output, LSE) for ``_merge_partial_outputs_kernel`` (for
+one query ``_merge_one_query_partials_kernel``), a top-n for
+``_merge_partial_tops_kernel``. At 64k cached tokens on an H100 this took a layer's
+replayed decoding step from 0.51 to 0.23 ms. A one-query step whose kv heads are shared
+pads no rows: the forward and the selection take the group's query heads as the rows of
+their tiles, one dot per key tile for all of them where a program per head would pad its
+one row to 16 (``_HEADS_AS_ROWS_MAX_ROWS``). Training-time selections of too few
 programs to fill the GPU split their chunks the same way (``_SELECT_PROGRAMS_PER_SM``).
 
 Programs walk query tiles last-to-first: in causal mode the last tiles see the most keys,
@@ -361,6 +369,60 @@ def _attention_fwd_kernel(
         tl.store(LSE + zh.to(tl.int64) * M + rows, lse, mask=rows < M)
 
 
+@triton.jit(do_not_specialize=_STEP_VARYING)
+def _one_query_fwd_kernel(
+    Q, K_TILES, V_TILES, OUT, LSE, PARTIAL_OUT, PARTIAL_LSE,
+    stride_qz, stride_qh, stride_oz, stride_oh,
+    HQ, M, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, qk_scale,
+    GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
+    PARTIAL_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # A forward of one query (M = 1: a decoding step, no documents) whose kv heads are
+    # shared: program (z * HKV + kv head, 0, split) attends the split-th share of the key
+    # tiles with the GQA_SHARED_HEADS query heads as the rows of one tile, each key and
+    # value tile loaded once for all of them. Outputs and partials as in
+    # _attention_fwd_kernel, whose per-head programs would each pad their one row to a tile.
+    zk = tl.program_id(0)
+    hk = HQ // GQA_SHARED_HEADS
+    z, kv_head = zk // hk, zk % hk
+    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY, z)
+    heads = kv_head * GQA_SHARED_HEADS + tl.arange(0, HEADS_PAD)
+    head_ok = tl.arange(0, HEADS_PAD) < GQA_SHARED_HEADS
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + z.to(tl.int64) * stride_qz + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
+                mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    keys_end = NUM_MEM + _num_visible(Q_START, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
+    key_limit = tl.full([HEADS_PAD], 0, tl.int32) + keys_end
+    full_end = keys_end // BLOCK_N * BLOCK_N
+    share = tl.cdiv(tl.cdiv(keys_end, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+    share_start = tl.program_id(2) * share
+    share_end = tl.minimum(share_start + share, keys_end)
+    acc = tl.zeros([HEADS_PAD, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
+    for key_start in range(share_start, tl.minimum(full_end, share_end), BLOCK_N):
+        acc, m_i, l_i = _forward_tile(acc, m_i, l_i, q, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
+                                      key_limit, NUM_MEM, qk_scale, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION)
+    for key_start in range(tl.maximum(full_end, share_start), share_end, BLOCK_N):
+        acc, m_i, l_i = _forward_tile(acc, m_i, l_i, q, K_TILES, V_TILES, z, kv_head, key_start, key_limit,
+                                      key_limit, NUM_MEM, qk_scale, BLOCK_N, BLOCK_D, True, False, DOT_PRECISION)
+
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / _KERNEL_LOG2E, float("-inf"))
+    out_mask = head_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    zh = z.to(tl.int64) * HQ + heads
+    if PARTIAL_OUTPUT:
+        part = tl.program_id(2).to(tl.int64) * tl.num_programs(0) * GQA_SHARED_HEADS + zh
+        tl.store(PARTIAL_OUT + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
+        tl.store(PARTIAL_LSE + part, lse, mask=head_ok)
+    else:
+        o_ptr = OUT + z.to(tl.int64) * stride_oz + heads[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=out_mask)
+        tl.store(LSE + zh, lse, mask=head_ok)
+
+
 @triton.jit(do_not_specialize=("M", "SPLITS"))
 def _merge_partial_outputs_kernel(
     PARTIAL_OUT, PARTIAL_LSE, OUT, LSE,
@@ -389,6 +451,34 @@ def _merge_partial_outputs_kernel(
     _store_rows(head_pointer(OUT, z, h, stride_oz, stride_oh), m_start, stride_om, M, acc,
                 BLOCK_M, BLOCK_D, HEAD_DIM)
     tl.store(LSE + zh.to(tl.int64) * M + rows, lse, mask=rows < M)
+
+
+@triton.jit(do_not_specialize=("SPLITS",))
+def _merge_one_query_partials_kernel(
+    PARTIAL_OUT, PARTIAL_LSE, OUT, LSE, stride_oz, stride_oh, HQ, SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """``_merge_partial_outputs_kernel`` for one query (M = 1), all SPLITS shares at once:
+    one maximum and one weighted sum over a ``[SPLITS_PAD, BLOCK_D]`` tile instead of a
+    chain of SPLITS dependent merges."""
+    zh = tl.program_id(0)
+    z, h = zh // HQ, zh % HQ
+    splits = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    part = splits.to(tl.int64) * tl.num_programs(0) + zh
+    share_lse = tl.load(PARTIAL_LSE + part, mask=splits < SPLITS, other=float("-inf"))
+    share_out = tl.load(PARTIAL_OUT + part[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=(splits[:, None] < SPLITS) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    m = tl.max(share_lse, 0)
+    # Without keys in any share the maximum is -inf: weigh against 0, not NaN.
+    weight = tl.exp(share_lse - tl.where(m == float("-inf"), 0.0, m))
+    total = tl.sum(weight, 0)
+    has_keys = total > 0
+    out = tl.sum(share_out * weight[:, None], 0) / tl.where(has_keys, total, 1.0)
+    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, total, 1.0)), float("-inf"))
+    o_ptr = OUT + z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh
+    tl.store(o_ptr + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE + zh, lse)
 
 
 # ---------------------------------------------------------------------------------------
@@ -880,6 +970,36 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
 
 
 @triton.jit
+def _one_query_heads(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr, M, m_start,
+                     HEADS_PER_SELECTION: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HEAD_DIM: tl.constexpr):
+    """Query row ``m_start`` of the heads that share a selection, as the rows of one tile:
+    ``q: [HEADS_PAD, BLOCK_D]`` (padding heads zero) and their base-2 LSEs ``[HEADS_PAD]``
+    (+inf for padding heads and heads without keys, so that their probabilities are 0)."""
+    heads = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    head_ok = heads < HEADS_PER_SELECTION
+    rows = (Q + z.to(tl.int64) * stride_qz + tl.cast(m_start, tl.int64) * stride_qm
+            + (first_head + heads)[:, None].to(tl.int64) * stride_qh)
+    q = tl.load(rows + offs_d[None, :], mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    lse = tl.load(lse_ptr + heads * M + m_start, mask=head_ok, other=float("inf")) * _KERNEL_LOG2E
+    return q, tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def _one_query_chunk_importance(q, lse, k, row_visible, overlap, qk_scale, acc, DOT_PRECISION: tl.constexpr):
+    """``_chunk_importance`` for a tile of one query (HEADS_AS_ROWS): its heads' scores in
+    one dot, their probabilities summed over the heads and the tile's keys into the
+    overlapped blocks in float32, and added to every row of ``acc`` (only row 0 is a
+    query). ``row_visible: [BLOCK_C]`` the query's visible keys, ``overlap: [BLOCK_C,
+    BLOCK_S]``."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    p = tl.sum(tl.exp2(s * qk_scale - lse[:, None]), 0)
+    p = tl.where(row_visible, p, 0.0)
+    return acc + tl.sum(p[:, None] * overlap.to(tl.float32), 0)[None, :]
+
+
+@triton.jit
 def _store_selection(top, INDICES, MASK, SCORES, zs, rows, M, TOPN: tl.constexpr):
     """Unpacks the first TOPN keys of ``top: [BLOCK_M, TOPN_PAD]`` into the ``[Z * HS, M,
     TOPN]`` outputs of selection head ``zs``."""
@@ -921,6 +1041,7 @@ def _select_blocks_kernel(
     S_STEP: tl.constexpr, NUM_C_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT_HALF: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr, PARTIAL_OUTPUT: tl.constexpr,
     HAS_DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr, UNROLL_HEADS: tl.constexpr,
+    HEADS_AS_ROWS: tl.constexpr, HEADS_PAD: tl.constexpr,
 ):
     # INDICES, MASK, SCORES: [Z, HS, M, TOPN], contiguous. Program (zs, tile, split)
     # scores the split-th of tl.num_programs(2) shares of the chunks of selection blocks;
@@ -948,6 +1069,9 @@ def _select_blocks_kernel(
         comp_low, block_limit, first_block = _document_blocks(DOC_START + z.to(tl.int64) * M, rows, M,
                                                               visible, block_limit, STRIDE, SBS)
 
+    if HEADS_AS_ROWS:
+        q_heads, lse_heads = _one_query_heads(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr, M,
+                                              m_start, HEADS_PER_SELECTION, HEADS_PAD, BLOCK_D, HEAD_DIM)
     lanes = tl.arange(0, BLOCK_S)
     top = tl.zeros([BLOCK_M, TOPN_PAD], dtype=tl.int64)
     blocks_end = tl.max(block_limit, 0)
@@ -967,17 +1091,23 @@ def _select_blocks_kernel(
             overlap = ((comp[:, None] * STRIDE < (blocks[None, :] + 1) * SBS)
                        & (blocks[None, :] * SBS < comp[:, None] * STRIDE + CBS)
                        & block_used[None, :] & (comp[:, None] < NC))
-            if SPLIT_HALF:
-                overlap = overlap.to(tl.float16)
+            if HEADS_AS_ROWS:
+                # Decoding steps have no documents: the query sees the prefix of keys.
+                row_visible = comp < tl.max(tl.where(rows == m_start, visible, 0), 0)
+                acc = _one_query_chunk_importance(q_heads, lse_heads, k, row_visible, overlap, qk_scale, acc,
+                                                  DOT_PRECISION)
             else:
-                overlap = overlap.to(tl.float32)
-            comp_visible = comp[None, :] < visible[:, None]
-            if HAS_DOCS:
-                comp_visible = comp_visible & (comp[None, :] >= comp_low[:, None])
-            acc = _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr,
-                                    M, k, comp_visible, overlap, m_start, qk_scale, acc,
-                                    HEADS_PER_SELECTION, BLOCK_M, BLOCK_C, BLOCK_D, HEAD_DIM,
-                                    SPLIT_HALF, DOT_PRECISION, UNROLL_HEADS)
+                if SPLIT_HALF:
+                    overlap = overlap.to(tl.float16)
+                else:
+                    overlap = overlap.to(tl.float32)
+                comp_visible = comp[None, :] < visible[:, None]
+                if HAS_DOCS:
+                    comp_visible = comp_visible & (comp[None, :] >= comp_low[:, None])
+                acc = _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr,
+                                        M, k, comp_visible, overlap, m_start, qk_scale, acc,
+                                        HEADS_PER_SELECTION, BLOCK_M, BLOCK_C, BLOCK_D, HEAD_DIM,
+                                        SPLIT_HALF, DOT_PRECISION, UNROLL_HEADS)
 
         selectable = block_used[None, :] & (blocks[None, :] < block_limit[:, None])
         if IS_CAUSAL:
@@ -1125,6 +1255,13 @@ _MAX_FEW_ROWS_SPLITS = 32
 # H100 the selection took 10.7 -> 9.8 us at 4k cached tokens and 19.5 -> 17.4 us at 64k
 # (the step 84.7 -> 78.5 us there), the same blocks.
 _UNROLLED_HEADS_MAX_ROWS = _FEW_ROWS
+# Forwards and selections of one query (a decoding step's) whose kv heads are shared take
+# the group's query heads as the rows of one tile: one dot per key tile for all of them.
+# In replayed decoding steps of the layer benchmark's layer on an H100 (us, per head ->
+# heads as rows): the selection 9.7 -> 4.9 and the forward 4.0 -> 3.4 at 4k cached
+# tokens, 17.0 -> 7.5 and 10.2 -> 5.3 at 64k; the step 64.1 -> 56.7 and 79.5 -> 63.6, and
+# 88.9 -> 75.7 for a batch of 8 at 16k.
+_HEADS_AS_ROWS_MAX_ROWS = 1
 
 
 def _launch(kernel: str, q: torch.Tensor) -> _Launch:
@@ -1213,6 +1350,9 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
     tiles = _launch("forward", q)
     out = _allocate((b, hq, n, d), q.dtype, q.device)
     lse = _allocate((b, hq, n), torch.float32, q.device)
+    if n <= _HEADS_AS_ROWS_MAX_ROWS and hq > hk and document_start is None:
+        _one_query_forward(q, ck, cv, out, lse, geo, position, tiles)
+        return out, lse
     grid = (b * hq, cdiv(n, tiles.block_m))
     splits = 1
     if position is not None:
@@ -1234,12 +1374,59 @@ def _attention_forward(q, ck, cv, geo: _Geometry, position: torch.Tensor | None 
         DOT_PRECISION=dot_precision(q.dtype), **_launch_meta(tiles, q.device),
     )
     if splits > 1:
-        merge_rows = next_power_of_2(n)
-        launch(_merge_partial_outputs_kernel, (b * hq, cdiv(n, merge_rows)),
-            partial_out, partial_lse, out, lse, *head_strides(out), hq, n, splits,
-            HEAD_DIM=d, BLOCK_M=merge_rows, BLOCK_D=block_d, num_warps=4,
-        )
+        _merge_partials(partial_out, partial_lse, out, lse, splits)
     return out, lse
+
+
+def _merge_partials(partial_out, partial_lse, out, lse, splits: int) -> None:
+    """``out: [b, hq, n, d]`` and ``lse: [b, hq, n]`` from the forward's ``splits`` partial
+    outputs ``[splits, b * hq, n, d]`` and LSEs ``[splits, b * hq, n]`` (float32)."""
+    b, hq, n, d = out.shape
+    block_d = _block_d(d)
+    if n == 1:
+        # At 64k cached tokens a decoding step's 32 shares took 8.4 us to merge one after
+        # another on an H100.
+        launch(_merge_one_query_partials_kernel, (b * hq,),
+            partial_out, partial_lse, out, lse, out.stride(0), out.stride(1), hq, splits,
+            HEAD_DIM=d, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(splits), num_warps=4,
+        )
+        return
+    merge_rows = next_power_of_2(n)
+    launch(_merge_partial_outputs_kernel, (b * hq, cdiv(n, merge_rows)),
+        partial_out, partial_lse, out, lse, *head_strides(out), hq, n, splits,
+        HEAD_DIM=d, BLOCK_M=merge_rows, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def _one_query_forward(q, ck, cv, out, lse, geo: _Geometry, position: torch.Tensor | None, tiles: _Launch) -> None:
+    """``_attention_forward`` of one query (q: [b, hq, 1, d]) whose kv heads are shared,
+    into ``out`` and ``lse``: each kv head's query heads as the rows of one tile
+    (``_one_query_fwd_kernel``), its key tiles split among programs where the position is
+    read on the device (``_few_rows_splits``)."""
+    b, hq, _, d = q.shape
+    hk, num_keys = ck.shape[1], ck.shape[2]
+    q = unit_stride_last(q)
+    block_d = _block_d(d)
+    splits = 1
+    if position is not None:
+        splits = _few_rows_splits(1, b * hk, cdiv(num_keys, tiles.block_n), q.device)
+    start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
+    if splits > 1:
+        partial_out = _allocate((splits, b * hq, 1, d), torch.float32, q.device)
+        partial_lse = _allocate((splits, b * hq, 1), torch.float32, q.device)
+    else:
+        partial_out, partial_lse = out, lse  # never read: any valid pointers do
+    launch(_one_query_fwd_kernel, (b * hk, 1, splits),
+        q, row_tiles(ck, tiles.block_n, block_d), row_tiles(cv, tiles.block_n, block_d), out, lse, partial_out,
+        partial_lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq, 1, start, start_ptr, num_keys,
+        geo.num_mem, geo.compress_block_size, geo.compress_stride, geo.scale * LOG2E,
+        GQA_SHARED_HEADS=hq // hk, HEADS_PAD=max(16, next_power_of_2(hq // hk)), HEAD_DIM=d,
+        IS_CAUSAL=geo.causal, BLOCK_N=tiles.block_n, BLOCK_D=block_d, Q_START_IN_MEMORY=in_memory,
+        PARTIAL_OUTPUT=splits > 1, DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **register_cap(q.device),
+    )
+    if splits > 1:
+        _merge_partials(partial_out, partial_lse, out, lse, splits)
 
 
 def _keys_per_block(geo: _Geometry) -> int:
@@ -1400,6 +1587,7 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None,
     # Never read without splits: any valid pointer does.
     partial_tops = indices if splits == 1 else _allocate((splits, b * hs, n, topn_pad), torch.int64, q.device)
     start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
+    heads_as_rows = n <= _HEADS_AS_ROWS_MAX_ROWS and hq > hs and document_start is None
     launch(_select_blocks_kernel, (*tops, splits),
         q, ck, lse, indices, mask, scores, partial_tops, _or_unread(document_start, lse),
         *head_strides(q), *head_strides(ck),
@@ -1412,6 +1600,7 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None,
         SPLIT_HALF=q.dtype != torch.float32, Q_START_IN_MEMORY=in_memory,
         PARTIAL_OUTPUT=splits > 1, HAS_DOCS=document_start is not None,
         DOT_PRECISION=dot_precision(q.dtype), UNROLL_HEADS=n <= _UNROLLED_HEADS_MAX_ROWS,
+        HEADS_AS_ROWS=heads_as_rows, HEADS_PAD=max(16, next_power_of_2(hq // hs)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **register_cap(q.device),
     )
