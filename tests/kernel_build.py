@@ -133,9 +133,13 @@ def _direct_calls() -> None:
     keys, selected = torch.randn(2, 2, 70, 32, dtype=dtype), torch.tensor([0, 1]).expand(2, 2, 1, 2)
     selection_attention_partials_at(branch, keys, keys, 32, selected, torch.ones(2, 2, 1, 2, dtype=torch.bool), 16,
                                     32**-0.5, position, shares=(2, 2))
-    # One query on one kv head: few programs, so the key tiles and selection blocks split.
+    # One query on one kv head: few programs, so the key tiles and selection blocks split;
+    # the query's two heads as the rows of one tile.
     query, keys = torch.randn(1, 2, 1, 32, dtype=dtype), torch.randn(1, 1, 70, 32, dtype=dtype)
     compressed_attend_and_select_at(query, keys, keys, torch.tensor([500]), 16, 8, 1, 32, 2, share_selection=True)
+    # Two queries: a program per head, whose partial outputs merge row by row.
+    compressed_attend_and_select_at(torch.randn(1, 2, 2, 32, dtype=dtype), keys, keys, torch.tensor([500]), 16, 8,
+                                    1, 32, 2, share_selection=True)
 
 
 def main(capability: int) -> None:

@@ -369,16 +369,16 @@ def _attention_fwd_kernel(
         tl.store(LSE + zh.to(tl.int64) * M + rows, lse, mask=rows < M)
 
 
-@triton.jit(do_not_specialize=_STEP_VARYING)
+@triton.jit(do_not_specialize=("Q_START", "N"))
 def _one_query_fwd_kernel(
     Q, K_TILES, V_TILES, OUT, LSE, PARTIAL_OUT, PARTIAL_LSE,
     stride_qz, stride_qh, stride_oz, stride_oh,
-    HQ, M, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, qk_scale,
+    HQ, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, qk_scale,
     GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
     PARTIAL_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # A forward of one query (M = 1: a decoding step, no documents) whose kv heads are
+    # A forward of one query (a decoding step, no documents) whose kv heads are
     # shared: program (z * HKV + kv head, 0, split) attends the split-th share of the key
     # tiles with the GQA_SHARED_HEADS query heads as the rows of one tile, each key and
     # value tile loaded once for all of them. Outputs and partials as in
@@ -1418,7 +1418,7 @@ def _one_query_forward(q, ck, cv, out, lse, geo: _Geometry, position: torch.Tens
         partial_out, partial_lse = out, lse  # never read: any valid pointers do
     launch(_one_query_fwd_kernel, (b * hk, 1, splits),
         q, row_tiles(ck, tiles.block_n, block_d), row_tiles(cv, tiles.block_n, block_d), out, lse, partial_out,
-        partial_lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq, 1, start, start_ptr, num_keys,
+        partial_lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), hq, start, start_ptr, num_keys,
         geo.num_mem, geo.compress_block_size, geo.compress_stride, geo.scale * LOG2E,
         GQA_SHARED_HEADS=hq // hk, HEADS_PAD=max(16, next_power_of_2(hq // hk)), HEAD_DIM=d,
         IS_CAUSAL=geo.causal, BLOCK_N=tiles.block_n, BLOCK_D=block_d, Q_START_IN_MEMORY=in_memory,
