@@ -185,7 +185,7 @@ def cat_caches(caches: Sequence[C]) -> C:
 def static_step(layer: SparseAttention, x: torch.Tensor, cache: StaticSparseAttentionCache) -> torch.Tensor:
     """One decoding step: x: [b, 1, dim], each row at its position ``cache.position[row]``
     -> [b, 1, dim]; writes the tokens into ``cache`` and advances the positions. A step
-    past the capacity fails a device-side index check."""
+    past the capacity fails a device-side assertion."""
     from native_sparse_attention.kernels.compressed import compressed_attend_and_select_at
     from native_sparse_attention.kernels.gate_combine import gated_sum, gated_sum_of_logits
     from native_sparse_attention.kernels.rotary import rotate_at
@@ -300,18 +300,16 @@ def _write(layer: SparseAttention, cache: StaticSparseAttentionCache, rk, k, v) 
     compresses the window ending there into its row (the spare row if incomplete)."""
     from native_sparse_attention.kernels.cache_write import write_compressed_rows, write_rings_and_read_windows
 
-    position, dtype = cache.position, cache.keys.dtype
-    # scatter_ checks the positions against the capacity on the device.
-    rows = position.view(-1, 1, 1, 1).expand_as(rk)
-    cache.keys.scatter_(2, rows, rk.to(dtype))
-    cache.values.scatter_(2, rows, v.to(dtype))
+    position = cache.position
     # The windows come with the intra-block positions added (``layer._compress_windows``' sums),
-    # in the dtype the fused compression networks compute in where they run.
+    # in the dtype the fused compression networks compute in where they run. The same launch
+    # writes the token's rows of the cache, asserting on the device that they fit.
     windows_dtype = torch.promote_types(k.dtype, layer.intrablock_pos_k.dtype)
     fused_dtype = _fused_compression_dtype(layer, windows_dtype)
     windows_k, windows_v = write_rings_and_read_windows(position, k, v, cache.recent_keys, cache.recent_values,
                                                         layer.intrablock_pos_k, layer.intrablock_pos_v,
-                                                        fused_dtype or windows_dtype)
+                                                        fused_dtype or windows_dtype,
+                                                        cache_rows=(rk, cache.keys, cache.values))
     if fused_dtype is None:
         new_ck, new_cv = layer.compress_k(windows_k), layer.compress_v(windows_v)
     else:

@@ -117,6 +117,9 @@ def _direct_calls() -> None:
     write_rings_and_read_windows(position, token, token, *torch.zeros(2, 2, 2, 8, 32, dtype=dtype),
                                  *torch.zeros(2, 2, 8, 32))
     write_compressed_rows(position, token, token, *torch.zeros(2, 2, 2, 6, 32, dtype=dtype), 1, 4, 2)
+    # A static step's write: the cache's rows too, the capacity's assertion compiled in.
+    write_rings_and_read_windows(position, token, token, *torch.zeros(2, 2, 2, 8, 32, dtype=dtype),
+                                 *torch.zeros(2, 2, 8, 32), cache_rows=(token, *torch.zeros(2, 2, 2, 16, 32, dtype=dtype)))
     # A static step's linear layers: float32 master weights under autocast, both segments.
     rows, weight = torch.randn(4, 64, dtype=dtype), torch.randn(48, 64)
     decode_linears((rows, rows), (weight, weight[:16]), (None, torch.randn(16)), dtype)

@@ -4,6 +4,8 @@ Without CUDA the kernels run under the Triton interpreter (set up in conftest.py
 window they return starts as NaN, so a row they forget to write fails the comparison.
 """
 
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 from native_sparse_attention.kernels import cache_write
 from native_sparse_attention.kernels.cache_write import write_compressed_rows, write_rings_and_read_windows
 
-from kernel_device import DEVICE, skip_without_kernels
+from kernel_device import DEVICE, gpu, skip_without_kernels
 
 skip_without_kernels()
 
@@ -94,3 +96,46 @@ def test_compressed_row_goes_to_the_window_row_or_the_spare_row():
             expected[1, row, :, expected_row] = new_v[row, :, 0]
         write_compressed_rows(torch.tensor(positions, device=DEVICE), new_k, new_v, *buffers, num_mem, window, stride)
         assert torch.equal(buffers, expected), positions
+
+
+def test_cache_rows_take_the_rotated_key_and_the_value():
+    """With ``cache_rows`` the launch also writes each batch row's rotated key and value
+    into row ``position`` of the cache's keys and values (rounded to their dtype), and no
+    other row; the rings and windows are as without it."""
+    b, h, window, d, capacity = 2, 2, 4, 16, 12
+    gen = torch.Generator().manual_seed(2)
+    rings = [torch.zeros(b, h, window, d, device=DEVICE) for _ in range(2)]
+    positions = [torch.zeros(h, window, d, device=DEVICE) for _ in range(2)]
+    cache = [torch.randn(b, h, capacity, d, generator=gen).to(DEVICE, torch.float16) for _ in range(2)]
+    for step in range(3):
+        position = torch.tensor([step, 2 * step + 5], device=DEVICE)
+        new_k, new_v, rotated_k = (torch.randn(b, h, 1, d, generator=gen).to(DEVICE) for _ in range(3))
+        expected = [c.clone() for c in cache]
+        for row, at in enumerate(position.tolist()):
+            expected[0][row, :, at] = rotated_k[row, :, 0].half()
+            expected[1][row, :, at] = new_v[row, :, 0].half()
+        windows = write_rings_and_read_windows(position, new_k, new_v, *rings, *positions,
+                                               cache_rows=(rotated_k, *cache))
+        assert torch.equal(windows[0][:, :, 0, -1], new_k[:, :, 0]) and torch.equal(windows[1][:, :, 0, -1],
+                                                                                   new_v[:, :, 0])
+        for got, want in zip(cache, expected):
+            assert torch.equal(got, want), step
+
+
+@gpu
+def test_gpu_a_position_past_the_capacity_fails_the_assertion(tmp_path):
+    """Past the cache's capacity the write fails a device-side assertion, which ends the
+    process's CUDA context: run in a process of its own."""
+    script = tmp_path / "overflow.py"
+    script.write_text(
+        "import torch\n"
+        "from native_sparse_attention.kernels.cache_write import write_rings_and_read_windows\n"
+        "z = lambda *shape: torch.zeros(*shape, device='cuda')\n"
+        "write_rings_and_read_windows(torch.tensor([12], device='cuda'), z(1, 1, 1, 16), z(1, 1, 1, 16),\n"
+        "                             z(1, 1, 4, 16), z(1, 1, 4, 16), z(1, 4, 16), z(1, 4, 16),\n"
+        "                             cache_rows=(z(1, 1, 1, 16), z(1, 1, 12, 16), z(1, 1, 12, 16)))\n"
+        "torch.cuda.synchronize()\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "past the static cache's capacity" in result.stderr + result.stdout
