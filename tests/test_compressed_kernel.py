@@ -366,6 +366,7 @@ CONTINUATION_CASES = {
     "decode_step_top_one": (2, 1, 1, 70, 16, 8, 4, 1, 16, 1, True, False, 69),
     # A one-query selection scores its group's heads as the rows of one tile, here 3 of 16.
     "decode_step_group_of_three": (2, 6, 2, 83, 16, 8, 4, 1, 16, 3, True, True, 82),
+    "decode_step_group_of_32": (1, 32, 1, 70, 16, 8, 4, 1, 16, 2, True, True, 69),  # a tile of 32 rows
 }
 
 
