@@ -161,6 +161,19 @@ def _load_rows(ptr, start, row_stride, num_rows, BLOCK: tl.constexpr, BLOCK_D: t
 
 
 @triton.jit
+def _heads_of_one_query(Q, z, first_head, stride_qz, stride_qh, stride_qm, m, NUM_HEADS: tl.constexpr,
+                        HEADS_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Query row ``m`` of heads ``first_head ..`` (NUM_HEADS of them) as the rows of one
+    ``[HEADS_PAD, BLOCK_D]`` tile, padding heads zero."""
+    heads = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (Q + z.to(tl.int64) * stride_qz + tl.cast(m, tl.int64) * stride_qm
+            + (first_head + heads)[:, None].to(tl.int64) * stride_qh)
+    return tl.load(rows + offs_d[None, :], mask=(heads[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM),
+                   other=0.0)
+
+
+@triton.jit
 def _load_tile(desc, z, h, start, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows ``start .. start + BLOCK`` of head ``[z, h]`` through a ``[Z, H, rows, D]`` TMA
     descriptor of ``[BLOCK, BLOCK_D]`` tiles; rows and columns past the end read as zero."""
@@ -390,8 +403,8 @@ def _one_query_fwd_kernel(
     heads = kv_head * GQA_SHARED_HEADS + tl.arange(0, HEADS_PAD)
     head_ok = tl.arange(0, HEADS_PAD) < GQA_SHARED_HEADS
     offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + z.to(tl.int64) * stride_qz + heads[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
-                mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q = _heads_of_one_query(Q, z, kv_head * GQA_SHARED_HEADS, stride_qz, stride_qh, 0, 0, GQA_SHARED_HEADS,
+                            HEADS_PAD, BLOCK_D, HEAD_DIM)
     keys_end = NUM_MEM + _num_visible(Q_START, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
     key_limit = tl.full([HEADS_PAD], 0, tl.int32) + keys_end
     full_end = keys_end // BLOCK_N * BLOCK_N
@@ -977,12 +990,9 @@ def _one_query_heads(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr,
     ``q: [HEADS_PAD, BLOCK_D]`` (padding heads zero) and their base-2 LSEs ``[HEADS_PAD]``
     (+inf for padding heads and heads without keys, so that their probabilities are 0)."""
     heads = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    head_ok = heads < HEADS_PER_SELECTION
-    rows = (Q + z.to(tl.int64) * stride_qz + tl.cast(m_start, tl.int64) * stride_qm
-            + (first_head + heads)[:, None].to(tl.int64) * stride_qh)
-    q = tl.load(rows + offs_d[None, :], mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    lse = tl.load(lse_ptr + heads * M + m_start, mask=head_ok, other=float("inf")) * _KERNEL_LOG2E
+    q = _heads_of_one_query(Q, z, first_head, stride_qz, stride_qh, stride_qm, m_start, HEADS_PER_SELECTION,
+                            HEADS_PAD, BLOCK_D, HEAD_DIM)
+    lse = tl.load(lse_ptr + heads * M + m_start, mask=heads < HEADS_PER_SELECTION, other=float("inf")) * _KERNEL_LOG2E
     return q, tl.where(lse == float("-inf"), float("inf"), lse)
 
 
