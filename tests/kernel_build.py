@@ -137,9 +137,12 @@ def _direct_calls() -> None:
     selection_attention_partials_at(branch, keys, keys, 32, selected, torch.ones(2, 2, 1, 2, dtype=torch.bool), 16,
                                     32**-0.5, position, shares=(2, 2))
     # One query on one kv head: few programs, so the key tiles and selection blocks split;
-    # the query's two heads as the rows of one tile.
+    # the query's two heads as the rows of one tile, in one pass for both with a shared
+    # selection, in the forward's own with a selection per head.
     query, keys = torch.randn(1, 2, 1, 32, dtype=dtype), torch.randn(1, 1, 70, 32, dtype=dtype)
-    compressed_attend_and_select_at(query, keys, keys, torch.tensor([500]), 16, 8, 1, 32, 2, share_selection=True)
+    for share in (True, False):
+        compressed_attend_and_select_at(query, keys, keys, torch.tensor([500]), 16, 8, 1, 32, 2,
+                                        share_selection=share)
     # Two queries: a program per head, whose partial outputs merge row by row.
     compressed_attend_and_select_at(torch.randn(1, 2, 2, 32, dtype=dtype), keys, keys, torch.tensor([500]), 16, 8,
                                     1, 32, 2, share_selection=True)

@@ -367,6 +367,9 @@ CONTINUATION_CASES = {
     # A one-query selection scores its group's heads as the rows of one tile, here 3 of 16.
     "decode_step_group_of_three": (2, 6, 2, 83, 16, 8, 4, 1, 16, 3, True, True, 82),
     "decode_step_group_of_32": (1, 32, 1, 70, 16, 8, 4, 1, 16, 2, True, True, 69),  # a tile of 32 rows
+    # More chunks of blocks than the top-n's tile has rows: its rows take turns.
+    "decode_step_many_chunks": (1, 4, 2, 600, 16, 4, 2, 1, 4, 3, True, True, 599),
+    "non_causal_one_query": (1, 4, 2, 40, 16, 4, 2, 1, 8, 3, False, True, 39),
 }
 
 
@@ -403,9 +406,14 @@ def test_position_read_on_the_device_matches_q_offset(share):
 
 
 @pytest.mark.parametrize("splits", [2, 5])
-@pytest.mark.parametrize("case", ["decode_step", "decode_step_per_head_no_memory", "chunk_across_blocks",
-                                  "decode_step_top_one"])
-def test_few_query_forwards_split_among_programs(monkeypatch, case, splits):
+@pytest.mark.parametrize("case, launches", [
+    ("decode_step", 1),  # one query whose kv heads share a selection: one pass for both
+    ("decode_step_group_of_three", 1),
+    ("decode_step_per_head_no_memory", 2),
+    ("chunk_across_blocks", 2),
+    ("decode_step_top_one", 2),
+])
+def test_few_query_forwards_split_among_programs(monkeypatch, case, launches, splits):
     """Few queries' key tiles and selection blocks shared by several programs per query
     tile (decoding steps that read their position on the device), their partial outputs
     and top-n merged: more shares than work leave some empty."""
@@ -417,7 +425,7 @@ def test_few_query_forwards_split_among_programs(monkeypatch, case, splits):
 
     monkeypatch.setattr(compressed, "_few_rows_splits", few_rows_splits)
     check_continuation(*CONTINUATION_CASES[case], position_on_device=True)
-    assert len(parts) == 2, "the attention and selection launches should both split"
+    assert len(parts) == launches, "every launch over the keys should split"
     if splits == 5:
         assert min(parts) < splits, "every share had work"
 
@@ -568,6 +576,18 @@ def test_gpu_long_sequences(case, score_grad):
     """With ``score_grad`` the dK / dV kernel runs the differentiable top-n's own tiles."""
     *geometry, dtype = case
     check_against_reference(*geometry, dtype=dtype, seed=11, score_grad=score_grad)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("position_on_device", [False, True], ids=["q_offset", "position_on_device"])
+def test_gpu_one_query_at_a_long_cache(dtype, position_on_device):
+    """A decoding step of the issue's configuration after 65535 tokens, at the compiled
+    kernels' tiles: 34 chunks of up to 31 blocks (more than the top-n's tile has rows),
+    split among programs."""
+    check_continuation(1, 32, 2, 65536, 64, 32, 16, 1, 64, 16, True, True, 65535, dtype=dtype, seed=13,
+                       position_on_device=position_on_device)
 
 
 @pytest.mark.gpu

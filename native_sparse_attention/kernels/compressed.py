@@ -26,7 +26,7 @@ otherwise); HEADS_PER_SELECTION query heads score each one.
 BLOCK_M: query tile; BLOCK_N: key tile; BLOCK_C: compressed keys per scoring tile;
 BLOCK_S: lanes of a chunk of selection blocks, S_STEP of them used. HEADS_PAD: a
 group's query heads padded to a tile's rows (at least 16), where one query's heads are
-the rows of a tile (HEADS_AS_ROWS).
+the rows of a tile. NUM_CHUNKS: chunks of S_STEP selection blocks in NSEL.
 SEL, DSCORE: the chosen blocks ``[Z, HS, M, TOPN]`` and the gradient of their scores;
 G = dL/dP that DSCORE adds (nonzero on the compressed keys overlapping chosen blocks);
 KEYS_PER_BLOCK: compressed keys overlapping one selection block, at most; BLOCK_J:
@@ -53,6 +53,12 @@ splits, in a fixed order, cast to the keys' dtype.
 ``_select_blocks_kernel``: recomputes the probabilities ``exp(s - LSE)`` tile by tile, adds
 them into the selection blocks they overlap, and keeps a running top-n per query, so the
 ``[M, NC]`` probabilities and the ``[M, NSEL]`` importances never reach memory.
+``_one_query_scores_kernel``, ``_one_query_finish_kernel``: one query whose kv heads
+share their selection (a decoding step), forward and selection from one pass over the
+keys: each tile of scores takes a softmax step and adds into the blocks it overlaps,
+per head, against the running maximum; the chunks' importances reach memory (a
+decoding step's are a few KB), and the second kernel scales them by the final LSE and
+picks the top-n, beside merging the outputs of the programs that shared the keys.
 
 Forwards of at most _FEW_ROWS queries (decoding steps) would run one program per head, each
 walking the whole cache, on a GPU of a hundred SMs and more. For the steps that CUDA graphs
@@ -62,9 +68,10 @@ each leaving a partial result: (output, LSE) for ``_merge_partial_outputs_kernel
 one query ``_merge_one_query_partials_kernel``), a top-n for
 ``_merge_partial_tops_kernel``. At 64k cached tokens on an H100 this took a layer's
 replayed decoding step from 0.51 to 0.23 ms. A one-query step whose kv heads are shared
-pads no rows: the forward and the selection take the group's query heads as the rows of
-their tiles, one dot per key tile for all of them where a program per head would pad its
-one row to 16 (``_HEADS_AS_ROWS_MAX_ROWS``). Training-time selections of too few
+pads no rows: its tiles take the group's query heads as their rows, one dot per key tile
+for all of them where a program per head would pad its one row to 16: the one-query
+kernels above where the group shares its selection, ``_one_query_fwd_kernel`` (and
+per-head selections) where it does not. Training-time selections of too few
 programs to fill the GPU split their chunks the same way (``_SELECT_PROGRAMS_PER_SM``).
 
 Programs walk query tiles last-to-first: in causal mode the last tiles see the most keys,
@@ -145,6 +152,13 @@ def _num_visible(positions, NC, CBS, STRIDE, IS_CAUSAL: tl.constexpr):
         return tl.minimum(tl.maximum(positions - CBS + STRIDE, 0) // STRIDE, NC)
     else:
         return positions * 0 + NC
+
+
+@triton.jit
+def _candidate_blocks(visible, CBS, STRIDE, SBS, NSEL):
+    """Selection blocks that overlap one of the first ``visible`` compressed keys, i.e. start
+    before the end of the last of them: the candidates are the blocks ``< result``."""
+    return tl.minimum(tl.where(visible > 0, ((visible - 1) * STRIDE + CBS + SBS - 1) // SBS, 0), NSEL)
 
 
 @triton.jit
@@ -936,6 +950,22 @@ def _merge_top(top, cand):
 
 
 @triton.jit
+def _merge_candidates(top, importance, blocks, selectable, TOPN: tl.constexpr):
+    """``top: [R, TOPN_PAD]`` (``_merge_top``'s keys) with the ``selectable`` ones of
+    ``blocks`` merged in by their ``importance: [R, BLOCK_S]`` (``blocks`` and
+    ``selectable`` broadcast against it); no merge where none beats its row's weakest."""
+    # Importances are >= 0 (the clamp removes rounding below 0), so their fp32 bit
+    # patterns order like the values; the block index in the low word makes every key
+    # unique. 0 marks "no candidate".
+    score_bits = tl.maximum(importance, 0.0).to(tl.int32, bitcast=True).to(tl.int64) + 1
+    cand = tl.where(selectable, (score_bits << 32) | blocks.to(tl.int64), 0)
+    weakest = tl.min(tl.where(tl.arange(0, top.shape[1])[None, :] < TOPN, top, 0x7FFFFFFFFFFFFFFF), 1)
+    if tl.max((tl.max(cand, 1) > weakest).to(tl.int32), 0) > 0:
+        top = _merge_top(top, cand)
+    return top
+
+
+@triton.jit
 def _head_probabilities(Q, z, head, stride_qz, stride_qh, stride_qm, lse_ptr, M, k, m_start, qk_scale,
                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
@@ -944,6 +974,30 @@ def _head_probabilities(Q, z, head, stride_qz, stride_qh, stride_qm, lse_ptr, M,
     lse = _load_lse_log2(lse_ptr, m_start + tl.arange(0, BLOCK_M), M)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     return tl.exp2(s * qk_scale - lse[:, None])
+
+
+@triton.jit
+def _overlap_operand(overlap, SPLIT_HALF: tl.constexpr):
+    """The 0/1 ``overlap: [BLOCK_C, BLOCK_S]`` (bool) as ``_overlap_sums`` takes it. Converted
+    where it is computed: converted inside ``_overlap_sums``, after the loop over the
+    heads, the block selection read shared memory out of range on an H100 (Triton 3.6)."""
+    dtype: tl.constexpr = tl.float16 if SPLIT_HALF else tl.float32
+    return overlap.to(dtype)
+
+
+@triton.jit
+def _overlap_sums(p, overlap, acc, SPLIT_HALF: tl.constexpr):
+    """``acc + p @ overlap`` for probabilities ``p: [R, BLOCK_C]`` and the 0/1 ``overlap:
+    [BLOCK_C, BLOCK_S]`` (``_overlap_operand``). The dot's precision decides near-ties
+    between blocks, so it keeps about float32's: SPLIT_HALF writes ``p = hi + lo`` as two
+    fp16 terms (some 22 bits of p, two fp16 dots, the overlap exact); otherwise tf32x3."""
+    if SPLIT_HALF:
+        hi = p.to(tl.float16)
+        lo = (p - hi.to(tl.float32)).to(tl.float16)
+        acc = tl.dot(lo, overlap, tl.dot(hi, overlap, acc))
+    else:
+        acc = tl.dot(p, overlap, acc, input_precision="tf32x3")
+    return acc
 
 
 @triton.jit
@@ -957,12 +1011,9 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
 
     The heads' probabilities are summed in the accumulator layout of ``q @ k^T`` before
     a single overlap dot per tile (a dot per head, each converting its ``p`` to an
-    operand layout, made the kernel 1.24x slower at 16 heads). The dot's precision
-    decides near-ties, so it keeps about fp32's: SPLIT_HALF writes ``p = hi + lo`` as two
-    fp16 terms (some 22 bits of p, two fp16 dots, exact 0/1 overlap); otherwise tf32x3.
-    UNROLL_HEADS (decoding steps: a tile or two per program) unrolls the loop over the
-    heads, so that their loads need not wait for one another.
-    """
+    operand layout, made the kernel 1.24x slower at 16 heads). UNROLL_HEADS (decoding
+    steps: a tile or two per program) unrolls the loop over the heads, so that their loads
+    need not wait for one another."""
     p = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     if UNROLL_HEADS:
         for g in tl.static_range(HEADS_PER_SELECTION):
@@ -972,41 +1023,7 @@ def _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr
         for g in range(HEADS_PER_SELECTION):
             p += _head_probabilities(Q, z, first_head + g, stride_qz, stride_qh, stride_qm, lse_ptr + g * M, M, k,
                                      m_start, qk_scale, BLOCK_M, BLOCK_D, HEAD_DIM, DOT_PRECISION)
-    p = tl.where(comp_visible, p, 0.0)
-    if SPLIT_HALF:
-        hi = p.to(tl.float16)
-        lo = (p - hi.to(tl.float32)).to(tl.float16)
-        acc = tl.dot(lo, overlap, tl.dot(hi, overlap, acc))
-    else:
-        acc = tl.dot(p, overlap, acc, input_precision="tf32x3")
-    return acc
-
-
-@triton.jit
-def _one_query_heads(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr, M, m_start,
-                     HEADS_PER_SELECTION: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HEAD_DIM: tl.constexpr):
-    """Query row ``m_start`` of the heads that share a selection, as the rows of one tile:
-    ``q: [HEADS_PAD, BLOCK_D]`` (padding heads zero) and their base-2 LSEs ``[HEADS_PAD]``
-    (+inf for padding heads and heads without keys, so that their probabilities are 0)."""
-    heads = tl.arange(0, HEADS_PAD)
-    q = _heads_of_one_query(Q, z, first_head, stride_qz, stride_qh, stride_qm, m_start, HEADS_PER_SELECTION,
-                            HEADS_PAD, BLOCK_D, HEAD_DIM)
-    lse = tl.load(lse_ptr + heads * M + m_start, mask=heads < HEADS_PER_SELECTION, other=float("inf")) * _KERNEL_LOG2E
-    return q, tl.where(lse == float("-inf"), float("inf"), lse)
-
-
-@triton.jit
-def _one_query_chunk_importance(q, lse, k, row_visible, overlap, qk_scale, acc, DOT_PRECISION: tl.constexpr):
-    """``_chunk_importance`` for a tile of one query (HEADS_AS_ROWS): its heads' scores in
-    one dot, their probabilities summed over the heads and the tile's keys into the
-    overlapped blocks in float32, and added to every row of ``acc`` (only row 0 is a
-    query). ``row_visible: [BLOCK_C]`` the query's visible keys, ``overlap: [BLOCK_C,
-    BLOCK_S]``."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    p = tl.sum(tl.exp2(s * qk_scale - lse[:, None]), 0)
-    p = tl.where(row_visible, p, 0.0)
-    return acc + tl.sum(p[:, None] * overlap.to(tl.float32), 0)[None, :]
+    return _overlap_sums(tl.where(comp_visible, p, 0.0), overlap, acc, SPLIT_HALF)
 
 
 @triton.jit
@@ -1051,7 +1068,6 @@ def _select_blocks_kernel(
     S_STEP: tl.constexpr, NUM_C_TILES: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT_HALF: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr, PARTIAL_OUTPUT: tl.constexpr,
     HAS_DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr, UNROLL_HEADS: tl.constexpr,
-    HEADS_AS_ROWS: tl.constexpr, HEADS_PAD: tl.constexpr,
 ):
     # INDICES, MASK, SCORES: [Z, HS, M, TOPN], contiguous. Program (zs, tile, split)
     # scores the split-th of tl.num_programs(2) shares of the chunks of selection blocks;
@@ -1068,10 +1084,8 @@ def _select_blocks_kernel(
 
     rows = m_start + tl.arange(0, BLOCK_M)
     visible = _num_visible(Q_START + rows, NC, CBS, STRIDE, IS_CAUSAL)
-    # Candidates: blocks overlapping a visible compressed key, i.e. starting before the
-    # end of the last visible one; never the query's own block in causal mode.
-    block_limit = tl.where(visible > 0, ((visible - 1) * STRIDE + CBS + SBS - 1) // SBS, 0)
-    block_limit = tl.where(rows < M, tl.minimum(block_limit, NSEL), 0)
+    # Never the query's own block in causal mode.
+    block_limit = tl.where(rows < M, _candidate_blocks(visible, CBS, STRIDE, SBS, NSEL), 0)
     own_block = (Q_START + rows) // SBS
     first_block = 0
     comp_low = visible  # unread without documents
@@ -1079,9 +1093,6 @@ def _select_blocks_kernel(
         comp_low, block_limit, first_block = _document_blocks(DOC_START + z.to(tl.int64) * M, rows, M,
                                                               visible, block_limit, STRIDE, SBS)
 
-    if HEADS_AS_ROWS:
-        q_heads, lse_heads = _one_query_heads(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr, M,
-                                              m_start, HEADS_PER_SELECTION, HEADS_PAD, BLOCK_D, HEAD_DIM)
     lanes = tl.arange(0, BLOCK_S)
     top = tl.zeros([BLOCK_M, TOPN_PAD], dtype=tl.int64)
     blocks_end = tl.max(block_limit, 0)
@@ -1101,38 +1112,21 @@ def _select_blocks_kernel(
             overlap = ((comp[:, None] * STRIDE < (blocks[None, :] + 1) * SBS)
                        & (blocks[None, :] * SBS < comp[:, None] * STRIDE + CBS)
                        & block_used[None, :] & (comp[:, None] < NC))
-            if HEADS_AS_ROWS:
-                # Decoding steps have no documents: the query sees the prefix of keys.
-                row_visible = comp < tl.max(tl.where(rows == m_start, visible, 0), 0)
-                acc = _one_query_chunk_importance(q_heads, lse_heads, k, row_visible, overlap, qk_scale, acc,
-                                                  DOT_PRECISION)
-            else:
-                if SPLIT_HALF:
-                    overlap = overlap.to(tl.float16)
-                else:
-                    overlap = overlap.to(tl.float32)
-                comp_visible = comp[None, :] < visible[:, None]
-                if HAS_DOCS:
-                    comp_visible = comp_visible & (comp[None, :] >= comp_low[:, None])
-                acc = _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr,
-                                        M, k, comp_visible, overlap, m_start, qk_scale, acc,
-                                        HEADS_PER_SELECTION, BLOCK_M, BLOCK_C, BLOCK_D, HEAD_DIM,
-                                        SPLIT_HALF, DOT_PRECISION, UNROLL_HEADS)
+            overlap = _overlap_operand(overlap, SPLIT_HALF)
+            comp_visible = comp[None, :] < visible[:, None]
+            if HAS_DOCS:
+                comp_visible = comp_visible & (comp[None, :] >= comp_low[:, None])
+            acc = _chunk_importance(Q, z, first_head, stride_qz, stride_qh, stride_qm, lse_ptr,
+                                    M, k, comp_visible, overlap, m_start, qk_scale, acc,
+                                    HEADS_PER_SELECTION, BLOCK_M, BLOCK_C, BLOCK_D, HEAD_DIM,
+                                    SPLIT_HALF, DOT_PRECISION, UNROLL_HEADS)
 
         selectable = block_used[None, :] & (blocks[None, :] < block_limit[:, None])
         if IS_CAUSAL:
             selectable &= blocks[None, :] != own_block[:, None]
         if HAS_DOCS:
             selectable &= blocks[None, :] >= (comp_low * STRIDE // SBS)[:, None]
-        # Importances are >= 0 (the clamp removes rounding below 0), so their fp32 bit
-        # patterns order like the values; the block index in the low word makes every key
-        # unique. 0 marks "no candidate".
-        score_bits = tl.maximum(acc, 0.0).to(tl.int32, bitcast=True).to(tl.int64) + 1
-        cand = tl.where(selectable, (score_bits << 32) | blocks[None, :].to(tl.int64), 0)
-        weakest = tl.min(tl.where(tl.arange(0, TOPN_PAD)[None, :] < TOPN, top,
-                                  0x7FFFFFFFFFFFFFFF), 1)
-        if tl.max((tl.max(cand, 1) > weakest).to(tl.int32), 0) > 0:
-            top = _merge_top(top, cand)
+        top = _merge_candidates(top, acc, blocks[None, :], selectable, TOPN)
 
     if PARTIAL_OUTPUT:
         slots = tl.arange(0, TOPN_PAD)
@@ -1163,6 +1157,205 @@ def _merge_partial_tops_kernel(
     cand = tl.load(PARTIAL_TOP + row_offs * TOPN_PAD + slot[None, :],
                    mask=(rows[:, None] < M) & (split[None, :] < SPLITS), other=0)
     _store_selection(tl.topk(cand, TOPN_PAD), INDICES, MASK, SCORES, zs, rows, M, TOPN)
+
+
+# ---------------------------------------------------------------------------------------
+# One query: the forward and the block selection in one pass over the keys
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _one_query_softmax_step(acc, m_i, l_i, s, seen, owned, v, qk_scale, DOT_PRECISION: tl.constexpr):
+    """``_online_softmax_step`` for a tile of one query's heads (``s: [HEADS_PAD,
+    BLOCK_C]`` unscaled scores) whose ``owned`` keys go into the output and whose ``seen``
+    keys (a superset) set the running maximum. -> (acc, m, l, p, alpha): ``p = exp(s -
+    m)`` on the seen keys (0 elsewhere), and alpha, the factor that took everything
+    accumulated before to the new maximum."""
+    s = tl.where(seen[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(s * qk_scale - m_base[:, None])
+    p_owned = tl.where(owned[None, :], p, 0.0)
+    l_i = l_i * alpha + tl.sum(p_owned, 1)
+    acc = acc * alpha[:, None] + tl.dot(p_owned.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i, p, alpha
+
+
+@triton.jit(do_not_specialize=("Q_START", "N", "NSEL", "NUM_CHUNKS"))
+def _one_query_scores_kernel(
+    Q, K, V, PARTIAL_OUT, PARTIAL_LSE, IMPORTANCE, CHUNK_BASE,
+    stride_qz, stride_qh, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
+    HQ, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, SBS, NSEL, NUM_CHUNKS, qk_scale,
+    GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, S_STEP: tl.constexpr,
+    NUM_C_TILES: tl.constexpr, BLOCK_D: tl.constexpr, Q_START_IN_MEMORY: tl.constexpr,
+    SPLIT_HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # One query (a decoding step) whose kv heads share their selection: program (z * HKV +
+    # kv head, split) walks the split-th share of the chunks of candidate blocks with the
+    # group's query heads as the rows of one tile, and from each tile of scores takes both
+    # the forward's softmax step and the chunk's per-head block importances, so that the
+    # scores are computed once. Chunks overlap by the keys that straddle their border:
+    # each key's output share goes to the chunk of its first token's block.
+    # PARTIAL_OUT: [splits, Z * HKV, HEADS_PAD, BLOCK_D] normalised outputs, PARTIAL_LSE
+    # [splits, Z * HKV, HEADS_PAD] their base-2 LSEs (the memory keys in split 0's);
+    # IMPORTANCE: [Z * HKV, NUM_CHUNKS, HEADS_PAD, BLOCK_S] each chunk's block importances
+    # per head as exp2(s - CHUNK_BASE) sums, CHUNK_BASE [Z * HKV, NUM_CHUNKS, HEADS_PAD]:
+    # the final LSE is not known until every share is done (_one_query_finish_kernel).
+    zk = tl.program_id(0)
+    hk = HQ // GQA_SHARED_HEADS
+    z, kv_head = zk // hk, zk % hk
+    Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY, z)
+    heads = tl.arange(0, HEADS_PAD)
+    lanes = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _heads_of_one_query(Q, z, kv_head * GQA_SHARED_HEADS, stride_qz, stride_qh, 0, 0, GQA_SHARED_HEADS,
+                            HEADS_PAD, BLOCK_D, HEAD_DIM)
+    k_ptr = head_pointer(K, z, kv_head, stride_kz, stride_kh)
+    v_ptr = head_pointer(V, z, kv_head, stride_vz, stride_vh)
+    visible = _num_visible(Q_START, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL)
+    chunks = tl.cdiv(_candidate_blocks(visible, CBS, STRIDE, SBS, NSEL), S_STEP)
+    share = tl.cdiv(chunks, tl.num_programs(1))
+    chunk_begin = tl.program_id(1) * share
+    chunk_end = tl.minimum(chunk_begin + share, chunks)
+
+    acc = tl.zeros([HEADS_PAD, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
+    for key_start in range(0, tl.where(tl.program_id(1) == 0, NUM_MEM, 0), BLOCK_C):
+        memory = key_start + tl.arange(0, BLOCK_C) < NUM_MEM
+        k = _load_rows(k_ptr, key_start, stride_kn, NUM_MEM, BLOCK_C, BLOCK_D, HEAD_DIM)
+        v = _load_rows(v_ptr, key_start, stride_vn, NUM_MEM, BLOCK_C, BLOCK_D, HEAD_DIM)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        acc, m_i, l_i, _, _ = _one_query_softmax_step(acc, m_i, l_i, s, memory, memory, v, qk_scale,
+                                                      DOT_PRECISION)
+    for chunk in range(chunk_begin, chunk_end):
+        block_start = chunk * S_STEP
+        blocks = block_start + lanes
+        token_start = block_start * SBS - CBS
+        comp_start = tl.where(token_start >= 0, token_start // STRIDE + 1, 0)
+        owned_begin = tl.cdiv(block_start * SBS, STRIDE)
+        owned_end = tl.cdiv((block_start + S_STEP) * SBS, STRIDE)
+        importance = tl.zeros([HEADS_PAD, BLOCK_S], dtype=tl.float32)
+        for tile in tl.static_range(NUM_C_TILES):
+            tile_start = comp_start + tile * BLOCK_C
+            comp = tile_start + tl.arange(0, BLOCK_C)
+            k = _load_rows(k_ptr, NUM_MEM + tile_start, stride_kn, N, BLOCK_C, BLOCK_D, HEAD_DIM)
+            v = _load_rows(v_ptr, NUM_MEM + tile_start, stride_vn, N, BLOCK_C, BLOCK_D, HEAD_DIM)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            seen = comp < visible
+            owned = seen & (comp >= owned_begin) & (comp < owned_end)
+            acc, m_i, l_i, p, alpha = _one_query_softmax_step(acc, m_i, l_i, s, seen, owned, v, qk_scale,
+                                                              DOT_PRECISION)
+            overlap = ((comp[:, None] * STRIDE < (blocks[None, :] + 1) * SBS)
+                       & (blocks[None, :] * SBS < comp[:, None] * STRIDE + CBS) & (lanes < S_STEP)[None, :])
+            importance = _overlap_sums(p, _overlap_operand(overlap, SPLIT_HALF), importance * alpha[:, None],
+                                       SPLIT_HALF)
+        chunk_row = zk.to(tl.int64) * NUM_CHUNKS + chunk
+        tl.store(IMPORTANCE + (chunk_row * HEADS_PAD + heads[:, None]) * BLOCK_S + lanes[None, :], importance)
+        tl.store(CHUNK_BASE + chunk_row * HEADS_PAD + heads, tl.where(m_i == float("-inf"), 0.0, m_i))
+
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    part = (tl.program_id(1).to(tl.int64) * tl.num_programs(0) + zk) * HEADS_PAD + heads
+    tl.store(PARTIAL_OUT + part[:, None] * BLOCK_D + offs_d[None, :], out)
+    tl.store(PARTIAL_LSE + part, lse)
+
+
+@triton.jit
+def _one_query_outputs(PARTIAL_OUT, PARTIAL_LSE, OUT, LSE, stride_oz, stride_oh, z, zk, first_head, m_base,
+                       total, HQ, SPLITS, GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT and LSE of the group's heads from the shares' partials, share s weighing
+    ``exp2(lse_s - m_base)`` of ``total``."""
+    heads = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    out = tl.zeros([HEADS_PAD, BLOCK_D], dtype=tl.float32)
+    for split in range(SPLITS):
+        part = (split * tl.num_programs(0) + zk).to(tl.int64) * HEADS_PAD + heads
+        weight = tl.exp2(tl.load(PARTIAL_LSE + part) - m_base)
+        out += weight[:, None] * tl.load(PARTIAL_OUT + part[:, None] * BLOCK_D + offs_d[None, :])
+    has_keys = total > 0
+    out = out / tl.where(has_keys, total, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_base + tl.log2(tl.where(has_keys, total, 1.0))) / _KERNEL_LOG2E, float("-inf"))
+    head_ok = heads < GQA_SHARED_HEADS
+    o_ptr = OUT + z.to(tl.int64) * stride_oz + (first_head + heads)[:, None].to(tl.int64) * stride_oh
+    tl.store(o_ptr + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(LSE + z.to(tl.int64) * HQ + first_head + heads, lse, mask=head_ok)
+
+
+@triton.jit
+def _one_query_top(IMPORTANCE, CHUNK_BASE, INDICES, MASK, SCORES, zk, lse, Q_START, N, NUM_MEM, CBS,
+                   STRIDE, SBS, NSEL, NUM_CHUNKS, IS_CAUSAL: tl.constexpr, HEADS_PAD: tl.constexpr,
+                   BLOCK_S: tl.constexpr, S_STEP: tl.constexpr, TOPN: tl.constexpr,
+                   TOPN_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """The query's top-TOPN blocks from the chunks' importances, each head's scaled by
+    ``exp2(CHUNK_BASE - lse)`` (``lse: [HEADS_PAD]`` base 2, +inf for heads that do not
+    count). Row r of the tile keeps the top of chunks r, r + CHUNK_ROWS, ..., so that
+    CHUNK_ROWS chunks are merged at once; one top-n over the rows' tops ends it."""
+    heads = tl.arange(0, HEADS_PAD)
+    lanes = tl.arange(0, BLOCK_S)
+    rows = tl.arange(0, CHUNK_ROWS)
+    block_limit = _candidate_blocks(_num_visible(Q_START, N - NUM_MEM, CBS, STRIDE, IS_CAUSAL), CBS, STRIDE,
+                                    SBS, NSEL)
+    chunks = tl.cdiv(block_limit, S_STEP)
+    top = tl.zeros([CHUNK_ROWS, TOPN_PAD], dtype=tl.int64)
+    for first_chunk in range(0, chunks, CHUNK_ROWS):
+        chunk = first_chunk + rows
+        chunk_ok = chunk < chunks
+        chunk_row = zk.to(tl.int64) * NUM_CHUNKS + chunk
+        base = tl.load(CHUNK_BASE + chunk_row[:, None] * HEADS_PAD + heads[None, :], mask=chunk_ok[:, None],
+                       other=0.0)
+        importance = tl.load(IMPORTANCE + (chunk_row[:, None, None] * HEADS_PAD + heads[None, :, None]) * BLOCK_S
+                             + lanes[None, None, :], mask=chunk_ok[:, None, None], other=0.0)
+        importance = tl.sum(importance * tl.exp2(base - lse[None, :])[:, :, None], 1)
+        blocks = chunk[:, None] * S_STEP + lanes[None, :]
+        selectable = chunk_ok[:, None] & (lanes < S_STEP)[None, :] & (blocks < block_limit)
+        if IS_CAUSAL:
+            selectable &= blocks != Q_START // SBS
+        top = _merge_candidates(top, importance, blocks, selectable, TOPN)
+    best = tl.topk(tl.reshape(top, [1, CHUNK_ROWS * TOPN_PAD]), TOPN_PAD)
+    _store_selection(best, INDICES, MASK, SCORES, zk, tl.arange(0, 1), 1, TOPN)
+
+
+@triton.jit(do_not_specialize=("Q_START", "N", "NSEL", "NUM_CHUNKS", "SPLITS"))
+def _one_query_finish_kernel(
+    PARTIAL_OUT, PARTIAL_LSE, IMPORTANCE, CHUNK_BASE, OUT, LSE, INDICES, MASK, SCORES,
+    stride_oz, stride_oh,
+    HQ, Q_START, Q_START_PTR, N, NUM_MEM, CBS, STRIDE, SBS, NSEL, NUM_CHUNKS, SPLITS,
+    GQA_SHARED_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, S_STEP: tl.constexpr,
+    TOPN: tl.constexpr, TOPN_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+    Q_START_IN_MEMORY: tl.constexpr,
+):
+    # After _one_query_scores_kernel (its layouts): program (z * HKV + kv head, 0) merges
+    # the shares' outputs into OUT [Z, HQ, 1, D] and LSE [Z, HQ, 1]; program (.., 1) picks
+    # the selection [Z, HKV, 1, TOPN]. Both take the final LSE from the shares' LSEs.
+    zk = tl.program_id(0)
+    hk = HQ // GQA_SHARED_HEADS
+    z = zk // hk
+    heads = tl.arange(0, HEADS_PAD)
+    splits = tl.arange(0, SPLITS_PAD)
+    parts = (splits.to(tl.int64) * tl.num_programs(0) + zk) * HEADS_PAD
+    share_lse = tl.load(PARTIAL_LSE + parts[:, None] + heads[None, :], mask=(splits < SPLITS)[:, None],
+                        other=float("-inf"))
+    m = tl.max(share_lse, 0)
+    m_base = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2(share_lse - m_base[None, :]), 0)
+    if tl.program_id(1) == 0:
+        _one_query_outputs(PARTIAL_OUT, PARTIAL_LSE, OUT, LSE, stride_oz, stride_oh, z, zk,
+                           (zk % hk) * GQA_SHARED_HEADS, m_base, total, HQ, SPLITS, GQA_SHARED_HEADS, HEADS_PAD,
+                           HEAD_DIM, BLOCK_D)
+    else:
+        Q_START = start_position(Q_START, Q_START_PTR, Q_START_IN_MEMORY, z)
+        # Padding heads and heads without keys weigh nothing.
+        counts = (heads < GQA_SHARED_HEADS) & (total > 0)
+        lse = tl.where(counts, m_base + tl.log2(tl.where(counts, total, 1.0)), float("inf"))
+        _one_query_top(IMPORTANCE, CHUNK_BASE, INDICES, MASK, SCORES, zk, lse, Q_START, N, NUM_MEM, CBS, STRIDE,
+                       SBS, NSEL, NUM_CHUNKS, IS_CAUSAL, HEADS_PAD, BLOCK_S, S_STEP, TOPN, TOPN_PAD, CHUNK_ROWS)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1218,6 +1411,8 @@ _CUDA_LAUNCH = {
     # half-width top-n merges, which then dominate (14.1 -> 11.7 ms with one selection
     # per query head).
     "select_one_head": _Launch(64, 64, 4, 2),
+    # _one_query_scores_kernel: its rows are a query's heads, not BLOCK_M queries.
+    "one_query": _Launch(16, 128, 4, 2),
 }
 # Rows wider than 64 bf16 values: fewer rows and stages keep the pipelined tiles inside
 # shared memory (dK / dV also fewer keys: at d = 128 its 128-key tiles ran 1.7x slower).
@@ -1228,6 +1423,7 @@ _CUDA_LAUNCH_WIDE_ROWS = {
     "backward_dkdv_scores": _Launch(64, 64, 4, 2),
     "select": _Launch(64, 128, 4, 2),
     "select_one_head": _Launch(64, 128, 4, 2),  # not timed apart at these widths
+    "one_query": _Launch(16, 128, 4, 2),
 }
 # Decoding steps and other forwards of at most this many query rows take tiles of
 # _FEW_ROWS rows: a full tile would spend its dots and exponentials on padding.
@@ -1265,12 +1461,16 @@ _MAX_FEW_ROWS_SPLITS = 32
 # H100 the selection took 10.7 -> 9.8 us at 4k cached tokens and 19.5 -> 17.4 us at 64k
 # (the step 84.7 -> 78.5 us there), the same blocks.
 _UNROLLED_HEADS_MAX_ROWS = _FEW_ROWS
-# Forwards and selections of one query (a decoding step's) whose kv heads are shared take
-# the group's query heads as the rows of one tile: one dot per key tile for all of them.
-# In replayed decoding steps of the layer benchmark's layer on an H100 (us, per head ->
-# heads as rows): the selection 9.7 -> 4.9 and the forward 4.0 -> 3.4 at 4k cached
-# tokens, 17.0 -> 7.5 and 10.2 -> 5.3 at 64k; the step 64.1 -> 56.7 and 79.5 -> 63.6, and
-# 88.9 -> 75.7 for a batch of 8 at 16k.
+# Forwards of one query (a decoding step's) whose kv heads are shared take the group's
+# query heads as the rows of one tile: one dot per key tile for all of them. In replayed
+# decoding steps of the layer benchmark's layer on an H100 (us, per head -> heads as
+# rows): the selection 9.7 -> 4.9 and the forward 4.0 -> 3.4 at 4k cached tokens, 17.0 ->
+# 7.5 and 10.2 -> 5.3 at 64k; the step 64.1 -> 56.7 and 79.5 -> 63.6, and 88.9 -> 75.7 for
+# a batch of 8 at 16k. Where the group also shares its selection, the forward and the
+# selection then became one pass over the keys (``_one_query_attend_and_select``): the
+# step 59.3 -> 56.4 us at 4k, 69.0 -> 64.2 us for 8 at 16k, 64.1 -> 63.8 us at 64k, where
+# the second kernel took 7.6 us (4 programs: the top-n of 34 chunks, and the outputs of
+# 32 shares merged one share after another).
 _HEADS_AS_ROWS_MAX_ROWS = 1
 
 
@@ -1597,7 +1797,6 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None,
     # Never read without splits: any valid pointer does.
     partial_tops = indices if splits == 1 else _allocate((splits, b * hs, n, topn_pad), torch.int64, q.device)
     start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
-    heads_as_rows = n <= _HEADS_AS_ROWS_MAX_ROWS and hq > hs and document_start is None
     launch(_select_blocks_kernel, (*tops, splits),
         q, ck, lse, indices, mask, scores, partial_tops, _or_unread(document_start, lse),
         *head_strides(q), *head_strides(ck),
@@ -1610,7 +1809,6 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None,
         SPLIT_HALF=q.dtype != torch.float32, Q_START_IN_MEMORY=in_memory,
         PARTIAL_OUTPUT=splits > 1, HAS_DOCS=document_start is not None,
         DOT_PRECISION=dot_precision(q.dtype), UNROLL_HEADS=n <= _UNROLLED_HEADS_MAX_ROWS,
-        HEADS_AS_ROWS=heads_as_rows, HEADS_PAD=max(16, next_power_of_2(hq // hs)),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **register_cap(q.device),
     )
@@ -1623,6 +1821,70 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None,
             MAX_SPLITS=_MAX_FEW_ROWS_SPLITS if position is not None else next_power_of_2(splits), num_warps=4,
         )
     return BlockSelection(indices, mask, scores)
+
+
+def _fuses_one_query(q, ck, geo: _Geometry, document_start: torch.Tensor | None) -> bool:
+    """Whether ``_one_query_attend_and_select`` takes this forward: one query whose kv
+    heads are shared and share their selection."""
+    return (q.shape[2] == 1 and q.shape[1] > ck.shape[1] and geo.share_selection and geo.num_selected > 0
+            and document_start is None)
+
+
+def _one_query_attend_and_select(q, ck, cv, geo: _Geometry, position: torch.Tensor | None = None):
+    """``_attention_forward`` and ``_select`` of one query (q: [b, hq, 1, d]) whose kv heads
+    are shared and share their selection (``_fuses_one_query``), in two launches: the scores
+    of each key tile serve both the softmax and the block importances
+    (``_one_query_scores_kernel``, its chunks split among programs as ``_few_rows_splits``
+    says), then the outputs and the top-n (``_one_query_finish_kernel``).
+
+    -> (out [b, hq, 1, d], lse [b, hq, 1], BlockSelection of [b, hk, 1, num_selected])."""
+    b, hq, _, d = q.shape
+    hk, num_keys = ck.shape[1], ck.shape[2]
+    group = hq // hk
+    heads_pad = max(16, next_power_of_2(group))
+    tiles = _launch("one_query", q)
+    s_step, num_c_tiles, block_s = _chunk_layout(
+        geo.compress_block_size, geo.compress_stride, geo.selection_block_size, tiles.block_n
+    )
+    if position is None:
+        num_tokens = geo.q_offset + 1
+    else:
+        num_tokens = (num_keys - geo.num_mem) * geo.compress_stride + geo.compress_block_size
+    num_blocks = num_selection_blocks(num_tokens, geo.selection_block_size)
+    num_chunks = cdiv(num_blocks, s_step)
+    splits = _few_rows_splits(1, b * hk, num_chunks, q.device)
+    block_d = _block_d(d)
+    partial_out = _allocate((splits, b * hk, heads_pad, block_d), torch.float32, q.device)
+    partial_lse = _allocate((splits, b * hk, heads_pad), torch.float32, q.device)
+    importance = _allocate((b * hk, max(num_chunks, 1), heads_pad, block_s), torch.float32, q.device)
+    chunk_base = _allocate((b * hk, max(num_chunks, 1), heads_pad), torch.float32, q.device)
+    out = _allocate((b, hq, 1, d), q.dtype, q.device)
+    lse = _allocate((b, hq, 1), torch.float32, q.device)
+    shape = (b, hk, 1, geo.num_selected)
+    indices = _allocate(shape, torch.int64, q.device)
+    mask = _allocate(shape, torch.bool, q.device)
+    scores = _allocate(shape, torch.float32, q.device)
+    start, start_ptr, in_memory = position_in_memory(geo.q_offset if position is None else position, lse)
+    geometry = (hq, start, start_ptr, num_keys, geo.num_mem, geo.compress_block_size, geo.compress_stride,
+                geo.selection_block_size, num_blocks, num_chunks)
+    common = dict(GQA_SHARED_HEADS=group, HEADS_PAD=heads_pad, HEAD_DIM=d, IS_CAUSAL=geo.causal, BLOCK_S=block_s,
+                  S_STEP=s_step, BLOCK_D=block_d, Q_START_IN_MEMORY=in_memory)
+    launch(_one_query_scores_kernel, (b * hk, splits),
+        q, ck, cv, partial_out, partial_lse, importance, chunk_base, q.stride(0), q.stride(1),
+        *head_strides(ck), *head_strides(cv), *geometry, geo.scale * LOG2E,
+        BLOCK_C=tiles.block_n, NUM_C_TILES=num_c_tiles, SPLIT_HALF=q.dtype != torch.float32,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **register_cap(q.device), **common,
+    )
+    # At least 2: triton 3.6 fails to compile tl.topk(x, 1) of a single-row x.
+    topn_pad = max(2, next_power_of_2(geo.num_selected))
+    launch(_one_query_finish_kernel, (b * hk, 2),
+        partial_out, partial_lse, importance, chunk_base, out, lse, indices, mask, scores,
+        out.stride(0), out.stride(1), *geometry, splits,
+        TOPN=geo.num_selected, TOPN_PAD=topn_pad, SPLITS_PAD=next_power_of_2(splits),
+        CHUNK_ROWS=max(1, 256 // heads_pad), num_warps=4, **common,
+    )
+    return out, lse, BlockSelection(indices, mask, scores)
 
 
 def _fake_attend_and_select(q, ck, cv, compress_block_size, compress_stride, num_mem, causal, scale,
@@ -1648,6 +1910,9 @@ def _attend_and_select_forward(
     reads only the starts."""
     geo = _Geometry(compress_block_size, compress_stride, num_mem, causal, scale,
                     selection_block_size, num_selected, share_selection, q_offset)
+    if _fuses_one_query(q, ck, geo, document_start):
+        out, lse, selection = _one_query_attend_and_select(q, ck, cv, geo)
+        return (out, lse, *selection)
     out, lse = _attention_forward(q, ck, cv, geo, document_start=document_start)
     return (out, lse, *_select(q, ck, lse, geo, document_start=document_start))
 
@@ -1915,5 +2180,8 @@ def compressed_attend_and_select_at(
                     float(q.shape[-1] ** -0.5 if scale is None else scale),
                     selection_block_size, num_selected, bool(share_selection))
     q, ck, cv = (unit_stride_last(t) for t in (q, ck, cv))
+    if _fuses_one_query(q, ck, geo, None):
+        out, _, selection = _one_query_attend_and_select(q, ck, cv, geo, position)
+        return out, selection
     out, lse = _attention_forward(q, ck, cv, geo, position)
     return out, _select(q, ck, lse, geo, position)
