@@ -10,8 +10,8 @@ bf16 (no autocast, so no weight is cast inside the step). Per token: the wall ti
 steps run back to back (what generation sees: the host issues one step while the GPU runs
 the last), and the CUDA kernel time and kernel count of one step (torch.profiler).
 
-    python benchmarks/bench_decode.py           # table + docs/benchmarks.md "decode"
-    python benchmarks/bench_decode.py --batch 8 --cached-lens 16384 65536   # section "decode-batch8"
+    python benchmarks/bench_decode.py           # table + docs/benchmarks.md "decode" + docs/decode.png
+    python benchmarks/bench_decode.py --batch 8 --cached-lens 16384 65536   # "decode-batch8", decode_batch8.png
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_layer import DIM, build  # noqa: E402
+from benchmarks.figures import decode_figure  # noqa: E402
 from benchmarks.report import (  # noqa: E402
-    benchmark_arguments, environment_line, markdown_table, require_cuda, write_section,
+    BENCHMARKS_DOC, benchmark_arguments, environment_line, markdown_table, require_cuda, write_figure, write_section,
 )
 from native_sparse_attention.static_cache import capture_step  # noqa: E402
 
@@ -39,6 +40,10 @@ WARMUP_STEPS, TIMED_STEPS, TIMED_RUNS = 16, 32, 5
 KINDS = ("dense", "dense_graph", "nsa", "nsa_graph", "nsa_graph_bf16")
 KIND_NAMES = ("dense", "dense, CUDA graph", "NSA", "NSA, CUDA graph", "NSA, bf16 layer, CUDA graph")
 GRAPHED = ("dense_graph", "nsa_graph", "nsa_graph_bf16")
+
+
+def figure_path(batch: int) -> Path:
+    return BENCHMARKS_DOC.parent / ("decode.png" if batch == 1 else f"decode_batch{batch}.png")
 
 
 @dataclass
@@ -103,7 +108,16 @@ def measure(kind: str, n: int, batch: int = 1) -> DecodeTiming:
     return timing
 
 
-def report(results: dict[int, dict[str, DecodeTiming]], batch: int) -> str:
+def figure_data(results: dict[int, dict[str, DecodeTiming]]):
+    """``decode_figure``'s series: the replayed steps' GPU time, every kind's wall time."""
+    names = dict(zip(KINDS, KIND_NAMES))
+    gpu_ms = {names[kind]: {n: timings[kind].gpu_ms for n, timings in results.items()} for kind in GRAPHED}
+    wall_ms = {names[kind]: {n: timings[kind].wall_ms for n, timings in results.items()} for kind in KINDS}
+    return gpu_ms, wall_ms
+
+
+def report(results: dict[int, dict[str, DecodeTiming]], batch: int, figure: str | None = None) -> str:
+    """The markdown section; ``figure``: the file name of its figure, beside the document."""
     rows = []
     for n, timings in results.items():
         row = [n]
@@ -134,6 +148,9 @@ def report(results: dict[int, dict[str, DecodeTiming]], batch: int) -> str:
         "place; \"bf16 layer\" is the layer converted with `.to(torch.bfloat16)`, run without autocast.",
         "",
         markdown_table(header, rows),
+        *([] if figure is None else ["", f"![Time per {unit} of the NSA and dense layers against the cached tokens: the "
+                                         f"GPU time of a replayed step, and the wall time of eager and replayed steps]"
+                                         f"({figure})"]),
     ])
 
 
@@ -147,10 +164,12 @@ def main() -> None:
     for n in args.cached_lens:
         results[n] = {kind: measure(kind, n, args.batch) for kind in KINDS}
         print(f"n={n}: {results[n]}", flush=True)
-    markdown = report(results, args.batch)
-    print(markdown)
+    print(report(results, args.batch))
     if not args.no_write:
-        write_section("decode" if args.batch == 1 else f"decode-batch{args.batch}", markdown)
+        unit = "token" if args.batch == 1 else "step"
+        figure = write_figure(lambda: decode_figure(*figure_data(results), unit), figure_path(args.batch))
+        write_section("decode" if args.batch == 1 else f"decode-batch{args.batch}",
+                      report(results, args.batch, figure and figure.name))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ at the profiled lengths.
 mode at each paired length, with the target there.
 ``selection_figure``: the selection kernel's forward + backward time against sequence
 length beside dense attention's and the PyTorch reference's, over the gather floor.
+``decode_figure``: the decoding benchmark's time per step against the cached tokens, as
+the GPU spends it (replayed steps) and as generation sees it (eager and replayed).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["configs_figure", "layer_figure", "paired_figure", "selection_figure"]
+__all__ = ["configs_figure", "decode_figure", "layer_figure", "paired_figure", "selection_figure"]
 
 
 def _matplotlib():
@@ -224,4 +226,29 @@ def selection_figure(rows: list[dict], configs: dict[str, str]) -> Figure:
         axes.set_ylabel("forward + backward (ms)")
         axes.set_title(f"{name}: {configs[name]}")
         axes.legend(fontsize=8)
+    return figure
+
+
+def decode_figure(gpu_ms: dict[str, dict[int, float]], wall_ms: dict[str, dict[int, float]], unit: str) -> Figure:
+    """The decoding benchmark: ``gpu_ms[label][n]``, the kernel time of one replayed step
+    after n cached tokens, and ``wall_ms[label][n]``, the wall time per step of steps run
+    back to back (log scale: eager steps take tens of times longer), one line per launch
+    mode and layer; ``unit``: what a step decodes ("token", or "step" for a batch)."""
+    plt = _matplotlib()
+    figure, (gpu_axes, wall_axes) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    colors = {label: f"C{index}" for index, label in enumerate(dict.fromkeys([*wall_ms, *gpu_ms]))}
+    for axes, series, title in ((gpu_axes, gpu_ms, "GPU time of a replayed step"),
+                                (wall_axes, wall_ms, "wall time, steps back to back")):
+        lengths = sorted({n for values in series.values() for n in values})
+        for label, values in series.items():
+            linestyle = "--" if label.startswith("dense") else "-"
+            axes.plot(sorted(values), [values[n] for n in sorted(values)], marker="o", linestyle=linestyle,
+                      color=colors[label], label=label)
+        _length_axis(axes, lengths)
+        axes.set_xlabel("cached tokens")
+        axes.set_ylabel(f"ms / {unit}")
+        axes.set_title(title)
+        axes.legend(fontsize=8)
+    gpu_axes.set_ylim(bottom=0)
+    wall_axes.set_yscale("log")
     return figure

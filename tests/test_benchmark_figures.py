@@ -252,3 +252,37 @@ def test_configs_figure_one_line_per_config_without_failed_points():
     assert lines["32q / 2kv, d 64, dim 2048"] == ([8192, 65536], [1.0, 4.0])
     assert lines["32q / 8kv, d 128, dim 4096"] == ([8192], [0.5])
     assert "level with dense" in lines
+
+
+def _decode_results():
+    """Two lengths; each kind's wall and GPU ms grow with the cached tokens."""
+    from benchmarks.bench_decode import KINDS, DecodeTiming
+
+    return {n: {kind: DecodeTiming(wall_ms=(index + 1) * scale, gpu_ms=(index + 1) * scale / 10, kernels=16 + index)
+                for index, kind in enumerate(KINDS)}
+            for n, scale in ((4096, 1.0), (65536, 2.0))}
+
+
+def test_decode_figure_plots_replayed_gpu_time_and_every_wall_time(tmp_path):
+    from benchmarks.bench_decode import figure_data, figure_path
+    from benchmarks.figures import decode_figure
+
+    figure = decode_figure(*figure_data(_decode_results()), "token")
+    gpu_axes, wall_axes = figure.axes
+    gpu = _lines(gpu_axes)
+    assert list(gpu) == ["dense, CUDA graph", "NSA, CUDA graph", "NSA, bf16 layer, CUDA graph"]
+    assert gpu["NSA, CUDA graph"] == ([4096, 65536], pytest.approx([0.4, 0.8]))
+    wall = _lines(wall_axes)
+    assert wall["dense"] == ([4096, 65536], pytest.approx([1.0, 2.0]))
+    assert len(wall) == 5 and wall_axes.get_yscale() == "log"
+    assert gpu_axes.get_ylabel() == "ms / token"
+    colors = [{line.get_label(): line.get_color() for line in axes.get_lines()} for axes in (gpu_axes, wall_axes)]
+    assert all(colors[1][label] == color for label, color in colors[0].items())  # a series keeps its color
+    assert figure_path(1).name == "decode.png" and figure_path(8).name == "decode_batch8.png"
+
+
+def test_decode_report_links_the_figure_only_when_drawn():
+    from benchmarks.bench_decode import report
+
+    assert "](decode_batch8.png)" in report(_decode_results(), 8, figure="decode_batch8.png")
+    assert "![" not in report(_decode_results(), 1)
