@@ -1509,10 +1509,12 @@ def _few_rows_splits(rows: int, programs: int, parts: int, device: torch.device)
     partial result that a second kernel merges. Only forwards of at most _FEW_ROWS queries
     split: a decoding step is a handful of programs, each walking the whole cache.
 
-    The launchers split only for queries whose position is read on the device, the steps
-    that CUDA graphs replay. An eager step is bound by the host issuing its kernels: the
-    merge kernels' launches made it 0.2-0.5 ms slower on an H100 (of about 2.5 ms), more
-    than the split saved on the GPU."""
+    The launchers whose shares need a merge kernel of their own split only for queries
+    whose position is read on the device, the steps that CUDA graphs replay. An eager step
+    is bound by the host issuing its kernels: the merge kernels' launches made it 0.2-0.5 ms
+    slower on an H100 (of about 2.5 ms), more than the split saved on the GPU. The
+    one-query pass (``_one_query_attend_and_select``) splits in both, its second kernel
+    running either way."""
     if rows > _FEW_ROWS:
         return 1
     return _shares(programs, parts, _FEW_ROWS_PROGRAMS_PER_SM, device, _MAX_FEW_ROWS_SPLITS)
@@ -1825,7 +1827,7 @@ def _select(q, ck, lse, geo: _Geometry, position: torch.Tensor | None = None,
 
 def _fuses_one_query(q, ck, geo: _Geometry, document_start: torch.Tensor | None) -> bool:
     """Whether ``_one_query_attend_and_select`` takes this forward: one query whose kv
-    heads are shared and share their selection."""
+    heads are shared and share their selection, with blocks to select and no documents."""
     return (q.shape[2] == 1 and q.shape[1] > ck.shape[1] and geo.share_selection and geo.num_selected > 0
             and document_start is None)
 
