@@ -167,16 +167,34 @@ def test_graphs_are_the_default_only_where_they_can_run(monkeypatch, run_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphed_decoding_on_cuda_gives_the_eager_bytes():
     """Triton layers decode each step from a CUDA graph by default; greedy decoding makes
-    the same bytes as eager cached steps."""
+    the same bytes as eager cached steps, up to ties of the logits."""
     kernel_kwargs = dict(sliding_window_size=32, compress_block_size=16, compress_block_sliding_stride=8,
                          selection_block_size=16, num_selected_blocks=2, use_triton_kernel=True)
     model = small_model(sparse_attn_kwargs=kernel_kwargs).cuda()
     assert model.has_graphable_decoding()
     prompt = b"The sparse layer "
     graphed = generate(model, prompt, 60, temperature=0.0, use_cuda_graph=True)
-    assert graphed == generate(model, prompt, 60, temperature=0.0)
+    assert_same_up_to_ties(model, [prompt], graphed, generate(model, prompt, 60, temperature=0.0))
     # Prompts of different lengths decode as one batch, replayed or eagerly alike.
     prompts = [prompt, b"A", b"Decoding with a cache of its own, row by row "]
     graphed = generate(model, prompts, 40, temperature=0.0, use_cuda_graph=True)
     assert [len(text) for text in graphed] == [40, 40, 40]
-    assert graphed == generate(model, prompts, 40, temperature=0.0)
+    assert_same_up_to_ties(model, prompts, graphed, generate(model, prompts, 40, temperature=0.0))
+
+
+def assert_same_up_to_ties(model, prompts: list[bytes], graphed: list[bytes], eager: list[bytes]):
+    """Each graphed continuation equals the eager one, or parts from it where two bytes' bf16
+    logits tie: the two paths round differently (the static step's linear kernels, its
+    splits of the keys), and an untrained model's logits tie to the last bit now and then
+    (an H100 met one at the 27th byte). A wrong step would part at a byte that the logits do not nearly tie."""
+    for prompt, ours, theirs in zip(prompts, graphed, eager, strict=True):
+        assert len(ours) == len(theirs)
+        parted = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if parted is None:
+            continue
+        ids = torch.tensor([list(prompt + ours[:parted])], device="cuda")
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids)[0, -1].float()
+        gap = (logits[ours[parted]] - logits[theirs[parted]]).abs().item()
+        tie = 4 * torch.finfo(torch.bfloat16).eps * logits.abs().max().item()
+        assert gap <= tie, f"bytes part at {parted} ({ours[parted]} / {theirs[parted]}) with logits {gap} apart"
