@@ -11,6 +11,7 @@ import torch
 
 from native_sparse_attention import generate as generate_module
 from native_sparse_attention.generate import generate, main
+from greedy_ties import assert_same_up_to_ties
 from run_checkpoints import save_checkpoint, small_model
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,22 @@ def test_greedy_generation_is_the_models_greedy_sample():
     model, prompt = small_model(), "Sparse ".encode()
     expected = model.sample(torch.tensor(list(prompt)), len(prompt) + 12, temperature=0.0)
     assert generate(model, prompt, 12, temperature=0.0) == [bytes(expected.tolist())]
+
+
+def test_continuations_may_part_only_where_the_logits_tie():
+    """The check of the GPU tests that compare greedy continuations of two paths: it fails
+    where they part at a token whose logit is far from the other's, not where all tie."""
+    model, prompt = small_model(), b"Sparse "
+    greedy = generate(model, prompt, 12, temperature=0.0)[0]
+    assert_same_up_to_ties(model, [prompt], [greedy], [greedy])
+    with torch.no_grad():
+        least_likely = model(torch.tensor([list(prompt + greedy[:5])]))[0, -1].argmin().item()
+    parted = greedy[:5] + bytes([least_likely]) + greedy[6:]
+    with pytest.raises(AssertionError, match="part at 5"):
+        assert_same_up_to_ties(model, [prompt], [parted], [greedy])
+    with torch.no_grad():
+        model.to_logits.weight.zero_()
+    assert_same_up_to_ties(model, [prompt], [parted], [greedy])
 
 
 def test_samples_depend_on_the_seed_alone_and_leave_the_callers_rng_alone():
@@ -180,21 +197,3 @@ def test_graphed_decoding_on_cuda_gives_the_eager_bytes():
     graphed = generate(model, prompts, 40, temperature=0.0, use_cuda_graph=True)
     assert [len(text) for text in graphed] == [40, 40, 40]
     assert_same_up_to_ties(model, prompts, graphed, generate(model, prompts, 40, temperature=0.0))
-
-
-def assert_same_up_to_ties(model, prompts: list[bytes], graphed: list[bytes], eager: list[bytes]):
-    """Each graphed continuation equals the eager one, or parts from it where two bytes' bf16
-    logits tie: the two paths round differently (the static step's linear kernels, its
-    splits of the keys), and an untrained model's logits tie to the last bit now and then
-    (an H100 met one at the 27th byte). A wrong step would part at a byte that the logits do not nearly tie."""
-    for prompt, ours, theirs in zip(prompts, graphed, eager, strict=True):
-        assert len(ours) == len(theirs)
-        parted = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-        if parted is None:
-            continue
-        ids = torch.tensor([list(prompt + ours[:parted])], device="cuda")
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(ids)[0, -1].float()
-        gap = (logits[ours[parted]] - logits[theirs[parted]]).abs().item()
-        tie = 4 * torch.finfo(torch.bfloat16).eps * logits.abs().max().item()
-        assert gap <= tie, f"bytes part at {parted} ({ours[parted]} / {theirs[parted]}) with logits {gap} apart"
