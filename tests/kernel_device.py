@@ -8,7 +8,11 @@ import torch
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def gpu(test):
+    """Marks ``test`` as a GPU test (``pytest -m gpu`` selects it), skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(test))
 
 
 def skip_without_kernels() -> None:

@@ -92,7 +92,6 @@ def test_float32_weights_with_half_inputs(rows):
     check(rows, 40, 56, 20, torch.float16, seed=rows + 1, atol=5e-3, weight_dtype=torch.float32)
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_layer_benchmark_sizes_as_accurate_as_pytorch(dtype):
@@ -113,7 +112,6 @@ def test_gpu_layer_benchmark_sizes_as_accurate_as_pytorch(dtype):
         assert node <= 1.25 * pytorch + 1e-3, (what, node, pytorch)
 
 
-@pytest.mark.gpu
 @gpu
 def test_gpu_compress_mlp_matches_its_modules_under_autocast():
     torch.manual_seed(0)

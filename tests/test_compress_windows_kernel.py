@@ -132,7 +132,6 @@ def test_rejects_what_it_cannot_window():
 
 
 @gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [8192 + 5, 65536 + 5])  # one block a backward program, then 4
 def test_layer_benchmark_sizes(dtype, n):

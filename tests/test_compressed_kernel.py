@@ -555,7 +555,6 @@ def test_invalid_arguments_name_the_argument(change, name):
 # --- GPU (compiled kernels at realistic sizes) -----------------------------------------
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize(
     "case",
@@ -578,7 +577,6 @@ def test_gpu_long_sequences(case, score_grad):
     check_against_reference(*geometry, dtype=dtype, seed=11, score_grad=score_grad)
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("position_on_device", [False, True], ids=["q_offset", "position_on_device"])
@@ -590,7 +588,6 @@ def test_gpu_one_query_at_a_long_cache(dtype, position_on_device):
                        position_on_device=position_on_device)
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("score_grad", [False, True], ids=["plain", "score_grad"])
@@ -601,7 +598,6 @@ def test_gpu_packed_documents(dtype, score_grad):
                             score_grad=score_grad, documents=[lengths, lengths[::-1]])
 
 
-@pytest.mark.gpu
 @gpu
 def test_gpu_int64_offsets():
     """b * hq * n * d > 2**31: every kernel must address past the int32 range."""

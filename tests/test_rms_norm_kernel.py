@@ -71,7 +71,6 @@ def test_rejects_what_it_cannot_norm():
 
 
 @gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_layer_benchmark_sizes(dtype):
     check((1, 8192, 2048), torch.float32, dtype, seed=0, tolerance=1e-2)

@@ -98,7 +98,6 @@ def test_matches_pytorch_rotary(b, h, n, d, offset, dtype):
     check_against_float64(b, h, n, d, offset, dtype)
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("offset", [0, 57_344])
@@ -152,7 +151,6 @@ def test_split_heads_and_rotate_matches_pytorch(b, n, heads, kv_heads, d, rest, 
     check_split_against_float64(b, n, heads, kv_heads, d, rest, offset, dtype, used)
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_split_heads_and_rotate_at_layer_size(dtype):

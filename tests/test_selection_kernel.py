@@ -720,7 +720,6 @@ GPU_CASES = {
 }
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("case", GPU_CASES.values(), ids=GPU_CASES.keys())
 def test_gpu_long_sequences(case):
@@ -742,7 +741,6 @@ GPU_DOCUMENT_CASES = {
 }
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("case, starts", GPU_DOCUMENT_CASES.values(), ids=GPU_DOCUMENT_CASES.keys())
 def test_gpu_documents(case, starts):
@@ -762,7 +760,6 @@ KEY_MAJOR_GPU_CASES = ("shared_group4_d64_sliding_bf16", "per_head_group3_d48_no
                        "group1_d96_fp16_int32", "atomic_dq_group4_d128_sliding_bf16")
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name", KEY_MAJOR_GPU_CASES)
 def test_gpu_key_major_forward(name, monkeypatch):
@@ -770,7 +767,6 @@ def test_gpu_key_major_forward(name, monkeypatch):
     check_against_reference(GPU_CASES[name], seed=11)
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("with_sel_scale", [True, False], ids=["query_major", "key_major"])
 def test_gpu_int64_offsets(with_sel_scale, monkeypatch):
