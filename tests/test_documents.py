@@ -1,6 +1,9 @@
 """Packed sequences: ``SparseAttention(x, document_ids=...)`` attends each document as if
 it ran alone, and the packing helpers."""
 
+import copy
+import os
+
 import pytest
 import torch
 
@@ -216,7 +219,7 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-INTERPRETED = not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
 SMALL_CONFIG = dict(dim=32, dim_head=16, heads=2, kv_heads=1, sliding_window_size=8, compress_block_size=8,
                     compress_block_sliding_stride=4, selection_block_size=16, num_selected_blocks=2,
                     num_compressed_mem_kv=1, causal=True)
@@ -308,7 +311,7 @@ def test_fast_path_with_documents_matches_pytorch_path():
 def test_compiled_layer_with_documents_matches_eager(mode):
     torch.manual_seed(0)
     layer = SparseAttention(**GPU_CONFIG, use_triton_kernel=True).cuda()
-    compiled = __import__("copy").deepcopy(layer)
+    compiled = copy.deepcopy(layer)
     compiled.compile(fullgraph=True, mode=mode)
     ids = ids_of([[1024, 3072], [2048, 2048]]).cuda()
     x = torch.randn(2, 4096, GPU_CONFIG["dim"], device="cuda")
