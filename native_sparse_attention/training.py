@@ -9,7 +9,7 @@ its run directory:
 - ``metrics.jsonl``: one JSON object per logged step: ``step``, ``loss`` (nats),
   ``bpb``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``val_loss`` / ``val_bpb`` on
   validation steps, and with CUDA ``peak_memory_gib``, the most memory PyTorch held
-  allocated since the record before;
+  allocated since the record before (the first: since the loop began);
 - ``loss_curve.png``: train and validation bits per byte against step, overlaid with the
   comparable runs beside it (see ``plotting.py``);
 - ``samples.txt``: text generated with the KV cache from a fixed validation prompt;
@@ -758,6 +758,9 @@ class Trainer:
 
         config = self.config
         window_tokens, window_seconds = 0, 0.0
+        if self.device.type == "cuda":
+            # The first record's peak counts from here, not from whatever the process ran before.
+            torch.cuda.reset_peak_memory_stats(self.device)
         progress = tqdm(total=config.steps, initial=self.start_step, disable=not self.is_main,
                         dynamic_ncols=True, unit="step", desc=self.run_dir.name)
         stop = StopSignals()

@@ -181,8 +181,8 @@ def test_cuda_graph_steps_match_eager_ones(attn, corpus, tmp_path):
     for step, eager_loss, graph_loss in losses:
         assert math.isclose(graph_loss, eager_loss, rel_tol=2e-3), f"step {step}; (step, eager, graph): {losses}"
     assert math.isclose(graph[-1]["val_bpb"], eager[-1]["val_bpb"], rel_tol=2e-3), (graph[-1], eager[-1])
-    # Every record holds the process's peak memory since the one before: a small model adds
-    # well under a GiB to what the process held.
+    # Every record holds the peak memory since the one before (the first, since the loop
+    # began), which counts what the process held already: a small model adds well under a GiB.
     assert all(0 < r["peak_memory_gib"] < held_before_gib + 1 for r in eager + graph)
 
 
