@@ -15,13 +15,13 @@ def assert_same_up_to_ties(model, prompts: Sequence[Sequence[int]], got: Sequenc
     the logits do not nearly tie. ``prompts``, ``got`` and ``expected``: token ids (bytes
     or lists), one sequence per row; the logits are the model's forward over the prompt
     and the common prefix, under autocast on the model's device."""
+    device = next(model.parameters()).device
     for prompt, ours, theirs in zip(prompts, got, expected, strict=True):
         ours, theirs = list(ours), list(theirs)
         assert len(ours) == len(theirs)
         parted = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         if parted is None:
             continue
-        device = next(model.parameters()).device
         ids = torch.tensor([list(prompt) + ours[:parted]], device=device)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(ids)[0, -1].float()
