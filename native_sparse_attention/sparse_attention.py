@@ -374,8 +374,10 @@ class SparseAttention(nn.Module):
         """k, v: [b, hk, n, d] -> ck, cv: [b, hk, nc, d], one token per complete window."""
         num_windows = num_compressed_blocks(k.shape[2], self.compress_block_size, self.compress_stride)
         if num_windows == 0:
-            empty = k.new_empty(*k.shape[:2], 0, k.shape[-1])
-            return empty, empty
+            # The networks still run, on no windows, so that their parameters get a (zero)
+            # gradient: DistributedDataParallel fails a step that leaves one without any.
+            no_windows = k.new_empty(*k.shape[:2], 0, self.compress_block_size, k.shape[-1])
+            return self._compress_windows(no_windows, v.new_empty(no_windows.shape))
         if self._kernel_windows(k, v):
             return self._compress_kernel_windows(k, v)
         k_windows, v_windows = (sliding_windows(t, self.compress_block_size, self.compress_stride) for t in (k, v))

@@ -181,6 +181,21 @@ def test_every_parameter_gets_a_finite_gradient(compressor, use_diff_topk):
         assert parameter.grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("compressor", sorted(COMPRESSORS))
+def test_a_sequence_shorter_than_a_window_still_gives_every_parameter_a_gradient(compressor):
+    """No window is complete, so the compressed branch sees only its memory keys; the
+    compression networks' gradients are then zeros, not missing (DistributedDataParallel
+    fails a step that leaves a parameter without a gradient)."""
+    layer = make_layer(kv_heads=2, compress_mlp=COMPRESSORS[compressor]())
+    x = torch.randn(2, layer.compress_block_size - 1, DIM)
+    layer(x).pow(2).mean().backward()
+    compression = ("compress_k", "compress_v", "intrablock_pos_k", "intrablock_pos_v")
+    for name, parameter in layer.named_parameters():
+        assert parameter.grad is not None, name
+        if name.startswith(compression):
+            assert not parameter.grad.any(), name
+
+
 @pytest.mark.parametrize("length, size, stride", [(37, 4, 2), (40, 8, 4), (24, 8, 8), (30, 6, 4), (8, 8, 4)])
 def test_compiled_sliding_windows_match_unfold_with_gradients(length, size, stride):
     """Compiled, whole-stride windows take their own backward (a sum of shifted slices),
