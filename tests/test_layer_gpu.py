@@ -371,6 +371,17 @@ def test_odd_configurations_match_pytorch_path_interpreted(monkeypatch, config):
 
 
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+def test_one_seed_of_the_random_configurations_interpreted():
+    """``tests/fuzz_layer.py`` (random configurations, run by hand for many seeds) at a seed
+    that draws a causal layer with memory keys, two documents and decoding steps."""
+    from fuzz_layer import check
+
+    ok, report = check(6)
+    assert ok, report
+    assert "'causal': True" in report and "'num_compressed_mem_kv': 1" in report
+
+
+@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
 def test_joined_static_caches_decode_each_row_at_its_own_position_interpreted(monkeypatch):
     """Rows prefilled alone to different lengths (13, 5 and 22 tokens: complete and
     incomplete compression windows, selection blocks of their own) and joined by

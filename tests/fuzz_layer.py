@@ -1,0 +1,145 @@
+"""Random layer configurations: the Triton path (under the interpreter, float32) against the
+PyTorch path, for as many seeds as asked. Each seed draws a configuration (head counts and
+groups, head dims that are no power of two, compression windows that overlap or not,
+selection blocks, windows, memory keys, shared or per-head selections, straight-through
+gates, causal or not), a length and a batch, then compares a training step's output and
+gradients, for causal layers one with two packed documents, and decoding after a prefill
+(token by token, in chunks, or through a static cache whose steps may split their work).
+
+    python tests/fuzz_layer.py --first-seed 0 --seeds 200
+
+Prints each mismatch or error with the seed that reproduces it (``--first-seed S --seeds 1``)
+and exits 1 if there was any. ``test_layer_gpu.py`` runs one seed, so that this stays runnable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_layer_gpu as layer_tests  # noqa: E402
+
+from native_sparse_attention.kernels import compressed  # noqa: E402
+
+# Relative errors the float32 paths stay within (as in test_layer_gpu's interpreted tests).
+OUTPUT_TOLERANCE, GRADIENT_TOLERANCE = 1e-5, 1e-4
+# Decoding steps are the interpreter's slowest part: at most this many after the prefill.
+MOST_DECODED = 12
+
+
+def draw_config(rng: random.Random) -> dict:
+    """A valid SparseAttention configuration, small enough for the interpreter."""
+    kv_heads = rng.choice([1, 1, 2, 3])
+    stride = rng.choice([2, 4, 8])
+    selection_block = max(16, stride * rng.choice([2, 4, 8]))
+    return dict(
+        dim=rng.choice([16, 32, 48]), dim_head=rng.choice([8, 16, 24, 32, 40, 64]),
+        heads=kv_heads * rng.choice([1, 2, 3, 4, 5]), kv_heads=kv_heads,
+        sliding_window_size=rng.choice([0, 1, 5, 16, 33, 80]),
+        compress_block_size=stride * rng.choice([1, 2, 3]) + rng.choice([0, 0, stride // 2]),
+        compress_block_sliding_stride=stride, selection_block_size=selection_block - selection_block % stride,
+        num_selected_blocks=rng.choice([0, 1, 2, 3, 5]), num_compressed_mem_kv=rng.choice([0, 1, 3]),
+        causal=rng.random() < 0.8, query_heads_share_selected_kv=rng.random() < 0.6,
+        use_diff_topk=rng.random() < 0.3,
+    )
+
+
+def _gradient_errors(grads: dict, reference_grads: dict) -> dict:
+    """Per parameter, the error relative to its own gradient's norm or, where that is near
+    zero (a bias that shifts all of a query's compressed scores alike has an exact gradient
+    of 0), to a thousandth of the whole gradient's."""
+    floor = 1e-3 * torch.stack([grad.norm() for grad in reference_grads.values()]).norm()
+    return {name: ((grad - reference_grads[name]).norm() / torch.maximum(reference_grads[name].norm(), floor)).item()
+            for name, grad in grads.items()}
+
+
+def _document_errors(fast, reference, x, grad_out, cut: int) -> list[str]:
+    ids = torch.cat([torch.zeros(cut, dtype=torch.long), torch.ones(x.shape[1] - cut, dtype=torch.long)])
+    ids = ids.expand(x.shape[0], -1)
+    runs = []
+    for layer in (fast, reference):
+        inputs = x.detach().clone().requires_grad_()
+        out = layer(inputs, document_ids=ids)
+        out.backward(grad_out)
+        runs.append((out.detach(), inputs.grad))
+    (out, dx), (ref_out, ref_dx) = runs
+    errors = {"out": layer_tests._relative_error(out, ref_out), "dx": layer_tests._relative_error(dx, ref_dx)}
+    return [f"documents split at {cut}: {errors}"] if not max(errors.values()) < OUTPUT_TOLERANCE else []
+
+
+def _decoding_errors(fast, x, expected, rng: random.Random, monkeypatch) -> list[str]:
+    n = x.shape[1]
+    prefill = max(rng.randint(1, n - 1), n - MOST_DECODED)
+    monkeypatch.setattr(compressed, "_FEW_ROWS_PROGRAMS_PER_SM", rng.choice([2, 64]))
+    kind = rng.choice(["tokens", "chunks", "static"])
+    fast.eval()
+    with torch.no_grad():
+        if kind == "tokens" or (kind == "chunks" and n - prefill < 3):
+            out = layer_tests._decode(fast, x, prefill)
+        elif kind == "chunks":
+            out = layer_tests._decode(fast, x, prefill, chunks=(2,))
+        else:
+            out = layer_tests._decode_static(fast, x, prefill, capacity=n + rng.randint(0, 9))
+    error = layer_tests._relative_error(out[:, prefill:], expected[:, prefill:])
+    return [f"decoding ({kind}) after {prefill}: {error:.2e}"] if not error < OUTPUT_TOLERANCE else []
+
+
+def check(seed: int) -> tuple[bool, str]:
+    """(whether the paths agree, a line naming the seed, the draw and any mismatch)."""
+    rng = random.Random(seed)
+    config, n, batch = draw_config(rng), rng.randint(1, 70), rng.choice([1, 2])
+    line = f"seed {seed}: n={n} batch={batch} {config}"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        try:
+            fast, reference = layer_tests._sharpened_pair(monkeypatch, config)
+            torch.manual_seed(seed)
+            x = torch.randn(batch, n, config["dim"])
+            grad_out = torch.randn_like(x)
+            (out, dx, grads), (ref_out, ref_dx, ref_grads) = (layer_tests._run(layer, x, grad_out)
+                                                              for layer in (fast, reference))
+            problems = []
+            errors = {"out": layer_tests._relative_error(out, ref_out), "dx": layer_tests._relative_error(dx, ref_dx)}
+            if not max(errors.values()) < OUTPUT_TOLERANCE:
+                problems.append(f"training {errors}")
+            gradient_errors = {name: error for name, error in _gradient_errors(grads, ref_grads).items()
+                               if not error < GRADIENT_TOLERANCE}
+            if gradient_errors:
+                problems.append(f"parameter gradients {gradient_errors}")
+            block = config["selection_block_size"]
+            if config["causal"] and n >= 2 * block:
+                problems += _document_errors(fast, reference, x, grad_out, block * rng.randint(1, n // block - 1))
+            if config["causal"] and n >= 3:
+                problems += _decoding_errors(fast, x, ref_out, rng, monkeypatch)
+        except Exception:
+            return False, f"{line}\nERROR {traceback.format_exc()}"
+    return not problems, line + "".join(f"\nMISMATCH {problem}" for problem in problems)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=100, help="how many seeds, from the first")
+    parser.add_argument("--verbose", action="store_true", help="print every seed, not only failures")
+    args = parser.parse_args(argv)
+    failures = 0
+    for seed in tqdm(range(args.first_seed, args.first_seed + args.seeds), unit="seed"):
+        ok, line = check(seed)
+        failures += not ok
+        if args.verbose or not ok:
+            tqdm.write(line)
+    print(f"{failures} of {args.seeds} seeds failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
