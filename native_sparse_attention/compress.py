@@ -99,7 +99,9 @@ class CompressMLP(nn.Module):
     def forward(self, windows: torch.Tensor) -> torch.Tensor:
         """windows: [b, h, w, block_size, d] -> [b, h, w, d]"""
         flat = rearrange(windows, "b h w t d -> b h w (t d)")
-        if not flat.is_cuda or not self.fusable():
+        # No windows (a sequence shorter than one): the plain layers, whose zero gradients
+        # need no kernel launches.
+        if not flat.is_cuda or not self.fusable() or flat.numel() == 0:
             return self.net(flat)
         # On CUDA, one autograd node with the ReLU fused into both passes
         # (kernels/compress_mlp.py), in the dtype autocast would give the Linear layers.
