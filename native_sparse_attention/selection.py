@@ -160,7 +160,13 @@ def select_blocks(
     *lead, num_blocks = scores.shape
     k = min(num_selected, num_blocks)
     masked_scores = scores.masked_fill(~selectable, float("-inf"))
-    top_scores, indices = masked_scores.topk(k, dim=-1)
+    # Equal scores go to the later block, as in the kernels (whose sort keys hold the block
+    # index below the score). Blocks that the same visible compressed keys overlap score
+    # exactly alike, and torch.topk breaks such ties by no fixed rule: a query's choice then
+    # changed with the number of blocks after it, and a decoded token's with the sequence's.
+    later_first = masked_scores.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    indices = num_blocks - 1 - later_first
+    top_scores = masked_scores.gather(-1, indices)
     mask = torch.isfinite(top_scores)
     indices = indices.masked_fill(~mask, 0)
     top_scores = torch.where(mask, top_scores, torch.zeros_like(top_scores))

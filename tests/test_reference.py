@@ -142,6 +142,19 @@ def test_selection_follows_the_paper_definition(cbs, stride, sbs, shared):
             assert chosen.mask[0, hs, i].sum() == min(num_selected, len(candidates))
 
 
+def test_equal_scores_go_to_the_later_block_however_many_follow():
+    """Blocks that the same visible compressed keys overlap score exactly alike. The later
+    one wins, as in the kernels, whatever the width of the row: torch.topk alone broke such
+    ties by the row's width, so that a prefix could select otherwise than the whole."""
+    for width in range(3, 10):
+        scores = torch.zeros(1, 1, 1, width)
+        scores[..., :3] = torch.tensor([0.7, 0.7, 0.2])
+        selectable = torch.arange(width) < 3
+        chosen = select_blocks(scores, selectable, 2)
+        assert chosen.indices.flatten().tolist() == [1, 0], width
+        assert chosen.scores.flatten().tolist() == pytest.approx([0.7, 0.7])
+
+
 def test_non_causal_selection_allows_every_covered_block():
     n, cbs, stride, sbs = 20, 4, 4, 4
     nc = num_compressed_blocks(n, cbs, stride)

@@ -87,6 +87,18 @@ def test_causality(block_config, share):
         torch.testing.assert_close(layer(changed)[:, : i + 1], out[:, : i + 1], rtol=0, atol=0)
 
 
+def test_a_prefix_selects_what_the_whole_sequence_selects():
+    """Windows longer than a selection block leave blocks that only the same compressed keys
+    overlap: exact ties. A token's output must not depend on how many tokens follow it."""
+    layer = make_layer((20, 8, 16, 16), heads=9, kv_heads=3, num_selected_blocks=1, num_compressed_mem_kv=3)
+    layer.to_qkv.weight.data.mul_(4.0)
+    x = torch.randn(2, 63, DIM)
+    with torch.no_grad():
+        whole = layer(x)
+        for length in (33, 34, 36, 40):
+            torch.testing.assert_close(layer(x[:, :length]), whole[:, :length], rtol=1e-5, atol=1e-5)
+
+
 def test_non_causal_output_depends_on_the_future():
     layer = make_layer(causal=False)
     x = torch.randn(1, 30, DIM)
