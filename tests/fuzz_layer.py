@@ -14,7 +14,8 @@ faster (hundreds of seeds a minute): decoding after a prefill against the parall
 against each document alone.
 
 Prints each mismatch or error with the seed that reproduces it (``--first-seed S --seeds 1``)
-and exits 1 if there was any. ``test_layer_gpu.py`` runs one seed, so that this stays runnable.
+and exits 1 if there was any. CI runs a few seeds of each mode (``test_layer_gpu.py``,
+``test_sparse_attention.py``), so that this stays runnable.
 """
 
 from __future__ import annotations
