@@ -25,6 +25,7 @@ import os
 import random
 import sys
 import traceback
+from collections.abc import Sequence
 
 if __name__ == "__main__":
     # Before triton is imported: the Triton path runs under the interpreter, on CPU tensors.
@@ -63,15 +64,6 @@ def draw_config(rng: random.Random) -> dict:
     )
 
 
-def _gradient_errors(grads: dict, reference_grads: dict) -> dict:
-    """Per parameter, the error relative to its own gradient's norm or, where that is near
-    zero (a bias that shifts all of a query's compressed scores alike has an exact gradient
-    of 0), to a thousandth of the whole gradient's."""
-    floor = 1e-3 * torch.stack([grad.norm() for grad in reference_grads.values()]).norm()
-    return {name: ((grad - reference_grads[name]).norm() / torch.maximum(reference_grads[name].norm(), floor)).item()
-            for name, grad in grads.items()}
-
-
 def _document_errors(fast, reference, x, grad_out, cut: int) -> list[str]:
     ids = torch.cat([torch.zeros(cut, dtype=torch.long), torch.ones(x.shape[1] - cut, dtype=torch.long)])
     ids = ids.expand(x.shape[0], -1)
@@ -103,6 +95,13 @@ def _decoding_errors(fast, x, expected, rng: random.Random, monkeypatch) -> list
     return [f"decoding ({kind}) after {prefill}: {error:.2e}"] if not error < OUTPUT_TOLERANCE else []
 
 
+def _report(line: str, problems: Sequence[str] = (), error: str | None = None) -> tuple[bool, str]:
+    """(whether the seed passed, its line followed by its mismatches or its error)."""
+    if error is not None:
+        return False, f"{line}\nERROR {error}"
+    return not problems, line + "".join(f"\nMISMATCH {problem}" for problem in problems)
+
+
 def check(seed: int) -> tuple[bool, str]:
     """(whether the paths agree, a line naming the seed, the draw and any mismatch)."""
     rng = random.Random(seed)
@@ -120,7 +119,7 @@ def check(seed: int) -> tuple[bool, str]:
             errors = {"out": layer_tests._relative_error(out, ref_out), "dx": layer_tests._relative_error(dx, ref_dx)}
             if not max(errors.values()) < OUTPUT_TOLERANCE:
                 problems.append(f"training {errors}")
-            gradient_errors = {name: error for name, error in _gradient_errors(grads, ref_grads).items()
+            gradient_errors = {name: error for name, error in layer_tests._gradient_errors(grads, ref_grads).items()
                                if not error < GRADIENT_TOLERANCE}
             if gradient_errors:
                 problems.append(f"parameter gradients {gradient_errors}")
@@ -130,8 +129,8 @@ def check(seed: int) -> tuple[bool, str]:
             if config["causal"] and n >= 3:
                 problems += _decoding_errors(fast, x, ref_out, rng, monkeypatch)
         except Exception:
-            return False, f"{line}\nERROR {traceback.format_exc()}"
-    return not problems, line + "".join(f"\nMISMATCH {problem}" for problem in problems)
+            return _report(line, error=traceback.format_exc())
+    return _report(line, problems)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -161,8 +160,8 @@ def check_pytorch_path(seed: int) -> tuple[bool, str]:
                 problems.append(f"decoding after {prefill} (chunks {chunks}): {error:.2e}")
             problems += _documents_alone_errors(layer, config, rng)
     except Exception:
-        return False, f"{line}\nERROR {traceback.format_exc()}"
-    return not problems, line + "".join(f"\nMISMATCH {problem}" for problem in problems)
+        return _report(line, error=traceback.format_exc())
+    return _report(line, problems)
 
 
 def _documents_alone_errors(layer, config: dict, rng: random.Random) -> list[str]:

@@ -47,6 +47,16 @@ def _run(layer, x, grad_out, autocast=False):
     return out.detach().clone(), x.grad.detach().clone(), grads
 
 
+def _gradient_errors(grads: dict, reference_grads: dict) -> dict:
+    """Per parameter, the error relative to its own gradient's norm or, where that is near
+    zero, to a thousandth of the whole gradient's: without memory keys, a bias shared by all
+    compressed keys shifts every compressed score of a query equally, so its exact gradient
+    is 0 and both paths return rounding noise."""
+    floor = 1e-3 * torch.stack([grad.norm() for grad in reference_grads.values()]).norm()
+    return {name: ((grad - reference_grads[name]).norm() / torch.maximum(reference_grads[name].norm(), floor)).item()
+            for name, grad in grads.items()}
+
+
 def _layer_pair(config, **options):
     """A fast-path layer and a PyTorch-path layer with the same weights."""
     fast_options = {key: value for key, value in options.items() if key.startswith("use_") and key != "use_diff_topk"}
@@ -351,12 +361,7 @@ def test_odd_configurations_match_pytorch_path_interpreted(monkeypatch, config):
     (out, dx, grads), (ref_out, ref_dx, ref_grads) = _run(fast, x, grad_out), _run(reference, x, grad_out)
     assert _relative_error(out, ref_out) < 1e-5
     assert _relative_error(dx, ref_dx) < 1e-5
-    # Relative to the whole gradient's norm where a parameter's own is near zero: without
-    # memory keys, a bias shared by all compressed keys shifts every compressed score of a
-    # query equally, so its exact gradient is 0 and both paths return rounding noise.
-    floor = 1e-3 * torch.stack([grad.norm() for grad in ref_grads.values()]).norm()
-    for name, grad in grads.items():
-        error = (grad - ref_grads[name]).norm() / torch.maximum(ref_grads[name].norm(), floor)
+    for name, error in _gradient_errors(grads, ref_grads).items():
         assert error < 1e-4, name
     if not config.get("causal", False):
         return
