@@ -45,12 +45,28 @@ _CAPTURED_GRADS = Version(torch.__version__.split("+")[0]) >= Version("2.6")
 _SCORE_MOD_KERNEL_OPTIONS = {"fwd_num_stages": 2, "bwd_num_stages": 2}
 
 
+# Static shapes give flex_attention one compiled graph per (shape, dtype, mask and score
+# function) it meets: a layer takes two per sequence length (selected and sliding), more
+# with documents or under autocast. Past Dynamo's recompile limit (8 by default) a call
+# silently runs the unfused flex_attention, which materialises every [n, n] score matrix:
+# slow, and out of memory at long sequences. The limit is raised for these calls alone.
+_FLEX_RECOMPILE_LIMIT = 256
+# Renamed from cache_size_limit in torch 2.7, which keeps the old name as an alias.
+_RECOMPILE_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
 @functools.cache
 def _compiled_flex_attention():
     # Static shapes: a call at a second sequence length would otherwise recompile with the
     # length symbolic, which Inductor's flex template rejected (NoValidChoicesError, torch
     # 2.11, H100) when the layer ran a packed row and then each document alone.
-    return torch.compile(flex_attention, dynamic=False)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def attend(*args, **kwargs):
+        with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT_NAME: _FLEX_RECOMPILE_LIMIT}):
+            return compiled(*args, **kwargs)
+
+    return attend
 
 
 def _attend(q, k, v, **kwargs) -> torch.Tensor:

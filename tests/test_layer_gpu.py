@@ -137,6 +137,29 @@ def test_compiled_fast_path_matches_eager(fast_path, mode):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("fast_path", ["use_triton_kernel", "use_flex_attention"])
+@pytest.mark.parametrize("seq_len", [1, 5, CONFIG["compress_block_size"] - 1, CONFIG["compress_block_size"]])
+def test_fast_path_at_sequences_of_at_most_one_window(fast_path, seq_len):
+    """Below one compression window the compressed branch attends to its memory keys
+    alone and the compression networks run on no windows: their gradients are zeros,
+    present as on the PyTorch path (DistributedDataParallel fails a step that leaves a
+    parameter without one)."""
+    torch.manual_seed(0)
+    fast, reference = _layer_pair(CONFIG, **{fast_path: True})
+    fast, reference = fast.cuda(), reference.cuda()
+    x = torch.randn(2, seq_len, CONFIG["dim"], device="cuda")
+    grad_out = torch.randn_like(x)
+    (out, dx, grads), (ref_out, ref_dx, ref_grads) = _run(fast, x, grad_out), _run(reference, x, grad_out)
+    assert _relative_error(out, ref_out) < 1e-5 and _relative_error(dx, ref_dx) < 1e-5
+    assert grads.keys() == ref_grads.keys()
+    assert max(_gradient_errors(grads, ref_grads).values()) < 1e-4
+    if seq_len < CONFIG["compress_block_size"]:
+        compression = ("compress_k", "compress_v", "intrablock_pos_k", "intrablock_pos_v")
+        assert not any(grad.any() for name, grad in grads.items() if name.startswith(compression))
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_layer_graphed_by_pytorch_matches_eager():
     """An eager training loop can replay the layer's forward and backward from CUDA graphs
     through torch.cuda.make_graphed_callables (autocast then must not cache its casts of
