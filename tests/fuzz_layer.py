@@ -8,6 +8,13 @@ gradients, for causal layers one with two packed documents, and decoding after a
 
     python tests/fuzz_layer.py --first-seed 0 --seeds 200
 
+``--device cuda`` runs the same comparison with the compiled kernels on a GPU (float32,
+whose dots the kernels keep in float32), where ``--max-len`` can draw longer sequences
+than the interpreter affords. Each configuration compiles kernels of its own, so a seed
+takes about a minute on an H100 (torch 2.11, triton 3.6), almost all of it compiling:
+
+    python tests/fuzz_layer.py --device cuda --max-len 400 --seeds 100
+
 ``--pytorch-only`` checks the PyTorch path against itself instead, in float64 and much
 faster (hundreds of seeds a minute): decoding after a prefill against the parallel forward
 (the same tokens must give the same outputs whatever follows them), and packed documents
@@ -29,7 +36,10 @@ from collections.abc import Sequence
 
 if __name__ == "__main__":
     # Before triton is imported: the Triton path runs under the interpreter, on CPU tensors.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    _device = argparse.ArgumentParser(add_help=False)
+    _device.add_argument("--device", default="cpu")
+    if _device.parse_known_args()[0].device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import conftest  # noqa: E402,F401 (the interpreter's fixes, as in a test session)
@@ -65,8 +75,7 @@ def draw_config(rng: random.Random) -> dict:
 
 
 def _document_errors(fast, reference, x, grad_out, cut: int) -> list[str]:
-    ids = torch.cat([torch.zeros(cut, dtype=torch.long), torch.ones(x.shape[1] - cut, dtype=torch.long)])
-    ids = ids.expand(x.shape[0], -1)
+    ids = (torch.arange(x.shape[1], device=x.device) >= cut).long().expand(x.shape[0], -1)
     runs = []
     for layer in (fast, reference):
         inputs = x.detach().clone().requires_grad_()
@@ -102,16 +111,17 @@ def _report(line: str, problems: Sequence[str] = (), error: str | None = None) -
     return not problems, line + "".join(f"\nMISMATCH {problem}" for problem in problems)
 
 
-def check(seed: int) -> tuple[bool, str]:
-    """(whether the paths agree, a line naming the seed, the draw and any mismatch)."""
+def check(seed: int, device: str = "cpu", max_len: int = 70) -> tuple[bool, str]:
+    """(whether the paths agree, a line naming the seed, the draw and any mismatch). The
+    draws of a seed do not depend on ``device``; a ``max_len`` other than 70 changes them."""
     rng = random.Random(seed)
-    config, n, batch = draw_config(rng), rng.randint(1, 70), rng.choice([1, 2])
+    config, n, batch = draw_config(rng), rng.randint(1, max_len), rng.choice([1, 2])
     line = f"seed {seed}: n={n} batch={batch} {config}"
     with pytest.MonkeyPatch.context() as monkeypatch:
         try:
-            fast, reference = layer_tests._sharpened_pair(monkeypatch, config)
+            fast, reference = (layer.to(device) for layer in layer_tests._sharpened_pair(monkeypatch, config))
             torch.manual_seed(seed)
-            x = torch.randn(batch, n, config["dim"])
+            x = torch.randn(batch, n, config["dim"], device=device)
             grad_out = torch.randn_like(x)
             (out, dx, grads), (ref_out, ref_dx, ref_grads) = (layer_tests._run(layer, x, grad_out)
                                                               for layer in (fast, reference))
@@ -184,10 +194,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=100, help="how many seeds, from the first")
     parser.add_argument("--verbose", action="store_true", help="print every seed, not only failures")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: the kernels under the Triton interpreter; cuda: compiled, on the GPU")
+    parser.add_argument("--max-len", type=int, default=70, help="the longest sequence drawn")
     parser.add_argument("--pytorch-only", action="store_true",
                         help="the PyTorch path against itself: decoding and documents (module docstring)")
     args = parser.parse_args(argv)
-    check_seed = check_pytorch_path if args.pytorch_only else check
+    if args.pytorch_only and (args.device != "cpu" or args.max_len != 70):
+        parser.error("--pytorch-only draws its own lengths and runs on the CPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device")
+    if args.max_len < 1:
+        parser.error("--max-len must be at least 1")
+    if args.pytorch_only:
+        check_seed = check_pytorch_path
+    else:
+        def check_seed(seed):
+            return check(seed, args.device, args.max_len)
     failures = 0
     for seed in tqdm(range(args.first_seed, args.first_seed + args.seeds), unit="seed"):
         ok, line = check_seed(seed)

@@ -497,8 +497,15 @@ def test_cuda_graph_decoding_matches_pytorch_path(share):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_flex_path_runs_at_several_lengths():
-    """The FlexAttention path compiled for each sequence length it meets (static shapes)."""
+def test_flex_path_runs_at_several_lengths(monkeypatch):
+    """The FlexAttention path compiled for each sequence length it meets (static shapes),
+    two graphs a length (selected and sliding), past Dynamo's recompile limit (here 1)."""
+    from torch._dynamo.utils import counters
+
+    from native_sparse_attention import flex
+
+    monkeypatch.setattr(torch._dynamo.config, flex._RECOMPILE_LIMIT_NAME, 1)
+    limit_hits = sum(count for reason, count in counters["unimplemented"].items() if "recompile limit" in reason)
     torch.manual_seed(0)
     layer = SparseAttention(**CONFIG, use_flex_attention=True).cuda()
     for n in (1024, 640, 2048):
@@ -506,3 +513,4 @@ def test_flex_path_runs_at_several_lengths():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             layer(x).sum().backward()
         assert torch.isfinite(x.grad).all()
+    assert sum(count for reason, count in counters["unimplemented"].items() if "recompile limit" in reason) == limit_hits
