@@ -49,3 +49,27 @@ def poison(monkeypatch):
         monkeypatch.setattr(module, name, nan_filled)
 
     return apply
+
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` for the test, restored after. cuBLAS
+    then needs a fixed workspace, which PyTorch checks for in the environment."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def launched_constexprs(monkeypatch, module) -> list[dict]:
+    """The keyword arguments of every ``launch`` of ``module``'s kernels from now on, in order."""
+    launches = []
+    original = module.launch
+
+    def recording(kernel, grid, *args, **kwargs):
+        launches.append({"kernel": getattr(kernel, "__name__", kernel), **kwargs})
+        return original(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(module, "launch", recording)
+    return launches

@@ -85,6 +85,12 @@ def _steps() -> None:
             if not options:
                 # From 4096 queries the selection's forward runs key-major.
                 layer(torch.randn(1, 4096, 64, requires_grad=True)).float().sum().backward()
+                # No float atomics: the partial sums' stores and their ordered sums.
+                torch.use_deterministic_algorithms(True)
+                try:
+                    layer(x).float().sum().backward()
+                finally:
+                    torch.use_deterministic_algorithms(False)
             with torch.no_grad():
                 _, cache = layer(x, return_cache=True)
                 for _ in range(2):

@@ -104,6 +104,28 @@ def test_programs_of_several_blocks(monkeypatch, size, stride):
     check(2, 2, 150, 8, size, stride, torch.float32, torch.float32, torch.float32, seed=stride)
 
 
+@pytest.mark.parametrize("b, size, stride", [(2, 32, 16), (1, 7, 3)])
+def test_deterministic_positions_gradient(monkeypatch, deterministic, b, size, stride):
+    """Under torch.use_deterministic_algorithms each backward program stores its share of
+    the positions' gradient in a slab of its own (every element written: the slabs start
+    poisoned), which the host sums: the same bits at every run, the same values as the
+    atomic adds'."""
+    from conftest import launched_constexprs
+
+    monkeypatch.setattr(compress_windows, "_BACKWARD_PROGRAMS", 8)
+    launches = launched_constexprs(monkeypatch, compress_windows)
+    check(b, 2, 150, 8, size, stride, torch.float32, torch.float32, torch.float32, seed=stride)
+    assert [launch["PARTIALS"] for launch in launches if "PARTIALS" in launch] == [True]
+    gen = torch.Generator().manual_seed(1)
+    t = projection_view(b, 2, 150, 8, torch.float32, gen).requires_grad_()
+    pos = (torch.randn(2, size, 8, generator=gen) * 0.1).to(DEVICE).requires_grad_()
+    grad = torch.randn(positioned_windows(t, pos, size, stride, torch.float32).shape, generator=gen).to(DEVICE)
+    runs = [torch.autograd.grad(positioned_windows(t, pos, size, stride, torch.float32), (t, pos), grad)
+            for _ in range(3)]
+    for run in runs[1:]:
+        assert all(torch.equal(grad, first) for grad, first in zip(run, runs[0]))
+
+
 @pytest.mark.parametrize("needs", [("t",), ("pos",)], ids=["t", "pos"])
 @pytest.mark.parametrize("size, stride", [(32, 16), (7, 3)])
 def test_one_input_needs_grad(needs, size, stride):

@@ -228,6 +228,47 @@ def test_triton_path_matches_pytorch_path_interpreted(monkeypatch, share, use_di
     assert bool(key_major_runs) is key_major
 
 
+@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+def test_triton_path_under_deterministic_algorithms_interpreted(monkeypatch, deterministic):
+    """torch.use_deterministic_algorithms: the selection's dK / dV and the windows'
+    positions gradient are summed from per-program partials, and the groups of 2 that
+    would take dQ from the dK / dV pass keep the dQ pass; the step still matches the
+    PyTorch path."""
+    from conftest import launched_constexprs
+
+    from native_sparse_attention.kernels import compress_windows
+
+    torch.manual_seed(1)
+    fast, reference = _sharpened_pair(monkeypatch, causal=True, num_compressed_mem_kv=1)
+    selection_launches = launched_constexprs(monkeypatch, selection_kernels)
+    window_launches = launched_constexprs(monkeypatch, compress_windows)
+    x = torch.randn(2, 40, SMALL_CONFIG["dim"])
+    grad_out = torch.randn_like(x)
+    _assert_close(_run(fast, x, grad_out), _run(reference, x, grad_out), 1e-5, 1e-5, 1e-4)
+    dq_modes = [launch["ATOMIC_DQ"] for launch in selection_launches if "ATOMIC_DQ" in launch]
+    assert dq_modes and not any(dq_modes)
+    partials = [launch["PARTIALS"] for launch in selection_launches + window_launches if "PARTIALS" in launch]
+    assert partials == [True] * 3  # the selection's dK / dV, the keys' and the values' windows
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_deterministic_algorithms_give_the_same_bits_at_every_step(deterministic, kv_heads):
+    """Under torch.use_deterministic_algorithms two training steps on the same input give
+    the same output and gradients, bit for bit: groups of 2 (dQ and the forward would
+    otherwise take atomic adds) and of 4, bf16 autocast; and match the default launches."""
+    torch.manual_seed(0)
+    layer = SparseAttention(**{**CONFIG, "kv_heads": kv_heads}, use_triton_kernel=True).cuda()
+    x = torch.randn(2, 4096, CONFIG["dim"], device="cuda")
+    grad_out = torch.randn_like(x)
+    first, second = (_run(layer, x, grad_out, autocast=True) for _ in range(2))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert all(torch.equal(grad, second[2][name]) for name, grad in first[2].items())
+    torch.use_deterministic_algorithms(False)
+    _assert_close(_run(layer, x, grad_out, autocast=True), first, 1e-2, 2e-2, 5e-2)
+
+
 def _decode(layer, x, prefill_len, chunks=()):
     """Outputs [b, n, dim] of a prefill of ``prefill_len`` tokens, then of continuations
     by ``chunks`` tokens each, then one token per step."""

@@ -292,6 +292,28 @@ def test_matches_reference(case, monkeypatch):
         assert empty.any(), "the matrix must contain rows without keys"
 
 
+# Chunks of 3 entries (several a block, launched out of key order), dQ from the dK / dV
+# pass and the key-major forward asked for, per query head, non-causal, strided fp16.
+DETERMINISTIC_CASES = ("block32_fine16_chunks", "atomic_dq_block32_fine16_chunks", "key_major_group3_d48_sliding",
+                       "key_major_non_causal_sliding_per_head", "key_major_atomic_dq_fp16_strided")
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC_CASES)
+def test_deterministic_algorithms_add_no_floats_atomically(name, monkeypatch, deterministic):
+    """Under torch.use_deterministic_algorithms, whatever the launch configuration asks:
+    the forward stays query-side, dQ comes from the dQ pass, and each dK / dV chunk
+    stores a slab of its own (poisoned first), which ``_dkv_partials_kernel`` sums in
+    chunk order."""
+    from conftest import launched_constexprs
+
+    launches = launched_constexprs(monkeypatch, selection_kernels)
+    check_against_reference(CASES[name], monkeypatch=monkeypatch)
+    kernels = [launch["kernel"] for launch in launches]
+    assert "_key_major_fwd_kernel" not in kernels and kernels.count("_dkv_partials_kernel") == 1
+    assert not any(launch.get("ATOMIC_DQ") for launch in launches)
+    assert [launch["PARTIALS"] for launch in launches if "PARTIALS" in launch] == [True]
+
+
 def test_small_groups_take_dq_from_the_dkv_pass():
     for shared_heads, atomic in ((1, True), (4, True), (8, True), (16, False), (32, False)):
         for dtype, head_dim in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)):

@@ -20,7 +20,9 @@ rounded up to a power of two, so other strides leave lanes idle), each token gat
 OVERLAP windows' rows, so DT is stored without atomics. The same loads make DPOS, with no
 second pass over DOUT: a program sums the rows it reads in float32, one partial per (t, d),
 and adds its partial into DPOS (zeroed first) atomically once at its end. The adds' order
-varies, so DPOS's last bits may differ between runs.
+varies, so DPOS's last bits may differ between runs; under
+``torch.use_deterministic_algorithms`` (PARTIALS) each program stores its partial in a
+slab of its own instead, ``[Z * H, programs, SIZE, D]``, which the host sums.
 
 Eager PyTorch ran the same as an add in float32 whose output kept the unfold view's
 permuted layout, a copy to make it contiguous, and the compression MLP's cast to bf16;
@@ -71,6 +73,7 @@ def _windows_bwd_kernel(
     DOUT, DT, DPOS, H, N, W, SIZE, STRIDE, BLOCKS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GROUPS: tl.constexpr,
     OVERLAP: tl.constexpr, BLOCK_O: tl.constexpr, TOKEN_GRAD: tl.constexpr, POS_GRAD: tl.constexpr,
+    PARTIALS: tl.constexpr,
 ):
     zh = tl.program_id(0).to(tl.int64)
     h = tl.program_id(0) % H
@@ -109,7 +112,11 @@ def _windows_bwd_kernel(
         # SIZE * D addresses: the adds queue there, hence BLOCKS.
         t = backs * STRIDE + lane[None, :, None]
         ok = (backs < OVERLAP) & (lane < STRIDE)[None, :, None] & (t < SIZE) & d_ok[None, None, :]
-        tl.atomic_add(DPOS + (h * SIZE + t) * HEAD_DIM + d[None, None, :], partial, mask=ok, sem="relaxed")
+        if PARTIALS:
+            slab = (zh * tl.num_programs(1) + tl.program_id(1)) * SIZE
+            tl.store(DPOS + (slab + t) * HEAD_DIM + d[None, None, :], partial, mask=ok)
+        else:
+            tl.atomic_add(DPOS + (h * SIZE + t) * HEAD_DIM + d[None, None, :], partial, mask=ok, sem="relaxed")
 
 
 def _allocate(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -153,20 +160,29 @@ def _backward(dout: torch.Tensor, n: int, size: int, stride: int, t_dtype: torch
     """DT in ``t_dtype`` (None: not computed) and, if ``pos_grad``, POS's gradient in float32."""
     b, h, windows, _, d = dout.shape
     dt = _allocate((b, h, n, d), t_dtype, dout.device) if t_dtype is not None else None
-    # float32 whatever the dtypes: every program adds its partial sums into it.
-    dpos = _zeros((h, size, d), torch.float32, dout.device) if pos_grad else None
     block_s = next_power_of_2(stride)
     groups = max(1, _TOKENS_PER_PROGRAM // block_s)
     blocks = cdiv(n, groups * stride)
     per_program = cdiv(blocks, max(1, _BACKWARD_PROGRAMS // (b * h))) if pos_grad else 1
     overlap = cdiv(size, stride)
     grid = (b * h, cdiv(blocks, per_program))
+    partials = pos_grad and torch.are_deterministic_algorithms_enabled()
+    # float32 whatever the dtypes: every program adds its partial sums into it, or stores
+    # them in a slab of its own, every element of which it writes (zeros where it read none).
+    dpos = None
+    if partials:
+        dpos = _allocate((b * h, grid[1], size, d), torch.float32, dout.device)
+    elif pos_grad:
+        dpos = _zeros((h, size, d), torch.float32, dout.device)
     # An unused buffer's argument is DOUT, never written.
     launch(_windows_bwd_kernel, grid,
         dout, dout if dt is None else dt, dout if dpos is None else dpos, h, n, windows, size, stride, per_program,
         HEAD_DIM=d, BLOCK_D=next_power_of_2(d), BLOCK_S=block_s, GROUPS=groups, OVERLAP=overlap,
-        BLOCK_O=next_power_of_2(overlap), TOKEN_GRAD=dt is not None, POS_GRAD=pos_grad, num_warps=8,
+        BLOCK_O=next_power_of_2(overlap), TOKEN_GRAD=dt is not None, POS_GRAD=pos_grad, PARTIALS=partials,
+        num_warps=8,
     )
+    if partials:
+        dpos = dpos.view(b, h, grid[1], size, d).sum((0, 2))
     return dt, dpos
 
 

@@ -114,6 +114,15 @@ where a backward will follow), and
 With a window, ``window_dkv_kernel`` then adds these float32 accumulators to the window's
 dK / dV and writes both in the input dtype; without one, the host casts them.
 
+Float atomic adds land in whatever order the programs reach them, so their sums may
+differ in the last bits from run to run. Under ``torch.use_deterministic_algorithms``
+(``_Problem.deterministic``) no kernel adds floats atomically: the forward stays
+query-side, dQ comes from ``_dq_kernel``, and ``_dkv_kernel`` (PARTIALS) stores each
+chunk's dK / dV as a [BLOCK_SIZE, D] slab of its own, which ``_dkv_partials_kernel``
+sums per key in chunk order. The slabs take 8 * BLOCK_SIZE * D bytes per chunk: with
+256-entry chunks, about (17 / 4 * HS / HKV + 1) times the float32 dK and dV at the
+layer benchmark's blocks of 64 and 16 selected.
+
 ``_key_major_fwd_kernel`` (``LaunchConfig.key_major_forward``) runs the forward on the
 same table and grid, for small groups. The query-side forward loads a selected block's
 keys and values for every query that selected it, for only SEL_SHARED_HEADS rows: at
@@ -601,10 +610,13 @@ def _dkv_kernel(
     SEL_SHARED_HEADS: tl.constexpr, ROWS_PER_ENTRY: tl.constexpr, M: tl.constexpr,
     CHUNK: tl.constexpr, CHUNK_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_SEL_SCALE: tl.constexpr, QUERY_ORDERED: tl.constexpr, CHUNKS_ORDERED: tl.constexpr,
-    Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q_ROWS: tl.constexpr, DO_ROWS: tl.constexpr, ATOMIC_DQ: tl.constexpr, PARTIALS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of the selection for one fine tile of one key block, from one chunk of the
-    entries that attend the block, added to the float32 accumulators.
+    entries that attend the block, added to the float32 accumulators, or with PARTIALS
+    stored as the chunk's own [BLOCK_SIZE, D] rows of DK_ACC and DV_ACC, which then hold
+    one such slab per chunk for ``_dkv_partials_kernel`` to sum in order.
 
     QUERY_ORDERED: a key's entries come from one selection head, so their queries
     ascend. Causal entries then query the block's own rows first, the only ones that see
@@ -654,10 +666,44 @@ def _dkv_kernel(
                                ATOMIC_DQ, DOT_PRECISION)
         if not HAS_SEL_SCALE:
             dk *= sm_scale
-        acc = dense_rows(z, kv_head, pos, HKV, N, D)[:, None] + offs_d[None, :]
         mask = key_ok[:, None] & d_ok[None, :]
-        tl.atomic_add(DK_ACC + acc, dk, mask=mask, sem="relaxed")
-        tl.atomic_add(DV_ACC + acc, dv, mask=mask, sem="relaxed")
+        if PARTIALS:
+            slab = (chunk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * D
+            tl.store(DK_ACC + slab[:, None] + offs_d[None, :], dk, mask=mask)
+            tl.store(DV_ACC + slab[:, None] + offs_d[None, :], dv, mask=mask)
+        else:
+            acc = dense_rows(z, kv_head, pos, HKV, N, D)[:, None] + offs_d[None, :]
+            tl.atomic_add(DK_ACC + acc, dk, mask=mask, sem="relaxed")
+            tl.atomic_add(DV_ACC + acc, dv, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _dkv_partials_kernel(
+    PARTIAL_DK, PARTIAL_DV, KEY_FIRST_CHUNK, DK_ACC, DV_ACC, N, HKV, NUM_BLOCKS,
+    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """dK, dV [Z, HKV, N, D] float32 of ROWS keys of key ``program_id(0)`` (from its key
+    ``program_id(1) * ROWS`` on): the sum of its chunks' slabs (``_dkv_kernel`` with
+    PARTIALS; [chunks, BLOCK_SIZE, D]) in chunk order, the same bits at every run. A key
+    that no entry attends gets zeros."""
+    key = tl.program_id(0)
+    z = key // (HKV * NUM_BLOCKS)
+    kv_head = (key // NUM_BLOCKS) % HKV
+    in_block = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    pos = (key % NUM_BLOCKS) * BLOCK_SIZE + in_block
+    offs_d = tl.arange(0, D_PAD)
+    mask = (pos < N)[:, None] & (offs_d < D)[None, :]
+    dk = tl.zeros([ROWS, D_PAD], tl.float32)
+    dv = tl.zeros([ROWS, D_PAD], tl.float32)
+    first_chunk = tl.load(KEY_FIRST_CHUNK + key)
+    slab = ((first_chunk.to(tl.int64) * BLOCK_SIZE + in_block) * D)[:, None] + offs_d[None, :]
+    for _ in range(first_chunk, tl.load(KEY_FIRST_CHUNK + key + 1)):
+        dk += tl.load(PARTIAL_DK + slab, mask=mask, other=0.0)
+        dv += tl.load(PARTIAL_DV + slab, mask=mask, other=0.0)
+        slab += BLOCK_SIZE * D
+    acc = dense_rows(z, kv_head, pos, HKV, N, D)[:, None] + offs_d[None, :]
+    tl.store(DK_ACC + acc, dk, mask=mask)
+    tl.store(DV_ACC + acc, dv, mask=mask)
 
 
 # ----------------------------------------------------------------------------- key-major forward
@@ -1038,6 +1084,9 @@ class _Problem:
     config: LaunchConfig
     num_keys: int
     q_offset: int  # position of query row 0
+    # torch.use_deterministic_algorithms: no float atomics, each result the same bits at
+    # every run (see _problem).
+    deterministic: bool = False
 
     @cached_property  # read by every launch of a step; the host bounds short sequences
     def constexprs(self) -> dict:
@@ -1104,14 +1153,15 @@ class _Problem:
     def key_major_forward(self) -> bool:
         """Whether the forward runs the selection key-major (``LaunchConfig.key_major_forward``):
         only with queries at every key and some key sets."""
-        return (self.config.key_major_forward and self.q_offset == 0 and self.num_keys == self.seq_len
-                and self.constexprs["NUM_SETS"] > 0)
+        return (self.config.key_major_forward and not self.deterministic and self.q_offset == 0
+                and self.num_keys == self.seq_len and self.constexprs["NUM_SETS"] > 0)
 
     @property
     def atomic_dq(self) -> bool:
         """Whether the dK / dV pass adds the selection's dQ (``LaunchConfig.atomic_dq``): not
         with sel_scale, whose gradient the dQ pass reduces per slot, nor without key sets."""
-        return self.config.atomic_dq and not self.has_sel_scale and self.constexprs["NUM_SETS"] > 0
+        return (self.config.atomic_dq and not self.deterministic and not self.has_sel_scale
+                and self.constexprs["NUM_SETS"] > 0)
 
     @property
     def num_blocks(self) -> int:
@@ -1375,19 +1425,31 @@ def _backward(problem: _Problem, saved, d_out, d_swa_out, table: KeyBlockEntries
         dq_launches()
     if constexprs["NUM_SETS"]:
         grid, table_operands, shared = _key_side_launch(problem, table, q)
+        partials = problem.deterministic
+        # Deterministic: one [block_size, d] slab per chunk, summed in order below.
+        dk_out, dv_out = (_empty((2, table.chunk_key.numel(), problem.block_size, d), torch.float32, q.device)
+                          if partials else (dk_acc, dv_acc))
         launch(_dkv_kernel, grid,
-            q, k, v, d_out, row_stats, sel_scale_arg, *table_operands, dk_acc, dv_acc,
+            q, k, v, d_out, row_stats, sel_scale_arg, *table_operands, dk_out, dv_out,
             dk_acc if dq_acc is None else dq_acc,
             *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
             n, hq, hk, hs, problem.num_blocks, table.num_keys, problem.scale,
             **shared,
             DO_ROWS=_row_layout(d_out),
             ATOMIC_DQ=atomic_dq,
+            PARTIALS=partials,
             M=max(config.dkv_rows, shared["ROWS_PER_ENTRY"]),
             num_warps=config.dkv_warps,
             num_stages=config.dkv_stages,
             **(register_cap(q.device) if config.dkv_max_registers is None else {"maxnreg": config.dkv_max_registers}),
         )
+        if partials:
+            rows = problem.fine_n
+            launch(_dkv_partials_kernel, (table.num_keys, problem.block_size // rows),
+                dk_out, dv_out, table.first_chunk, dk_acc, dv_acc, n, hk, problem.num_blocks,
+                BLOCK_SIZE=problem.block_size, ROWS=rows, D=d, D_PAD=_padded_head_dim(d),
+                num_warps=4,
+            )
     if atomic_dq:
         if sliding:
             window_dq(dq)
@@ -1445,6 +1507,10 @@ def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, 
                                      queries=n, batch=b),
         num_keys=k.shape[2],
         q_offset=q_offset,
+        # Read per launch, as PyTorch's own operators do: the forward leaves out the
+        # key-major forward's atomic adds, the backward the atomic dQ and sums the dK / dV
+        # chunks' partials in order.
+        deterministic=torch.are_deterministic_algorithms_enabled(),
     )
 
 
