@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TypeVar
@@ -140,6 +140,9 @@ class TrainConfig:
     activation_checkpointing: bool = _setting(False, "recompute each layer's activations in the backward instead "
                                                      "of keeping them: less memory for long sequences, for a "
                                                      "second forward of every layer", bool)
+    deterministic: bool = _setting(False, "torch.use_deterministic_algorithms for the run, so that it repeats "
+                                          "bit for bit on the same GPU and software (slower: the sparse layers' "
+                                          "kernels then add no floats atomically)", bool)
     cuda_graph: bool | None = _setting(None, "replay each micro-batch's forward and backward, the validation "
                                               "batches and the samples' decoding steps from CUDA graphs (CUDA, "
                                               "the triton backend or full attention, no --compile; default: "
@@ -569,12 +572,29 @@ def describe(config: TrainConfig, run: dict, run_dir: Path) -> str:
 def train(config: TrainConfig, run_dir: Path, resume: bool) -> int:
     """Train as ``config`` says; returns the exit code (0, or 128 + signal number when
     stopped by a signal)."""
-    runtime = start_runtime(config)
+    with _deterministic_algorithms(config.deterministic):
+        runtime = start_runtime(config)
+        try:
+            return Trainer(config, run_dir, resume, runtime).run()
+        finally:
+            if runtime.distributed:
+                dist.destroy_process_group()
+
+
+@contextmanager
+def _deterministic_algorithms(enabled: bool):
+    """``torch.use_deterministic_algorithms(True)`` inside when ``enabled``, then as before.
+    cuBLAS then needs a fixed workspace, which PyTorch reads from the environment."""
+    if not enabled:
+        yield
+        return
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
     try:
-        return Trainer(config, run_dir, resume, runtime).run()
+        yield
     finally:
-        if runtime.distributed:
-            dist.destroy_process_group()
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 class Trainer:

@@ -146,6 +146,26 @@ def test_activation_checkpointing_trains_the_same_run(corpus, tmp_path):
     assert json.loads((tmp_path / "recomputed" / "config.json").read_text())["activation_checkpointing"] is True
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_deterministic_runs_repeat_bit_for_bit(device, corpus, tmp_path, monkeypatch):
+    """--deterministic holds torch.use_deterministic_algorithms for the run (as the step
+    sees it), then restores it; two runs log the same losses and gradient norms. On CUDA
+    the sparse layers' kernels then add no floats atomically."""
+    seen = []
+    step = training.Trainer._train_step
+    monkeypatch.setattr(training.Trainer, "_train_step",
+                        lambda self, *args: seen.append(torch.are_deterministic_algorithms_enabled()) or step(self, *args))
+    flags = ("--device", device, "--steps", "5", "--log-every", "1", "--val-every", "0", "--sample-every", "0",
+             "--checkpoint-every", "0", "--deterministic")
+    assert run_train(corpus, tmp_path / "first", *flags) == 0
+    assert run_train(corpus, tmp_path / "second", *flags) == 0
+    assert seen and all(seen) and not torch.are_deterministic_algorithms_enabled()
+    first, second = read_metrics(tmp_path / "first"), read_metrics(tmp_path / "second")
+    assert [(r["loss"], r["grad_norm"]) for r in first] == [(r["loss"], r["grad_norm"]) for r in second]
+    assert json.loads((tmp_path / "first" / "config.json").read_text())["deterministic"] is True
+
+
 def test_resumed_run_logs_the_losses_of_an_uninterrupted_one(corpus, tmp_path):
     flags = ("--log-every", "1", "--val-every", "10", "--sample-every", "0", "--checkpoint-every", "0")
     assert run_train(corpus, tmp_path / "whole", "--steps", "30", *flags) == 0
