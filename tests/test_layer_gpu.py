@@ -228,6 +228,43 @@ def test_triton_path_matches_pytorch_path_interpreted(monkeypatch, share, use_di
     assert bool(key_major_runs) is key_major
 
 
+def _half_precision_runs(fast, reference, x, grad_out, dtype):
+    """The fast layer cast to ``dtype`` (weights too, no autocast) and the reference
+    layer given the same rounded weights in float32: their runs on the same input."""
+    fast = fast.to(dtype)
+    reference.load_state_dict({name: value.float() for name, value in fast.state_dict().items()})
+    return _run(fast, x.to(dtype), grad_out.to(dtype)), _run(reference, x, grad_out)
+
+
+@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
+def test_float16_layer_without_autocast_matches_pytorch_path_interpreted(monkeypatch):
+    """Weights and activations in float16, as a model cast with ``.half()`` runs: every
+    kernel and node of the Triton path takes float16 parameters (the interpreter's bf16
+    dots are unreliable; the GPU test runs bf16)."""
+    torch.manual_seed(0)
+    fast, reference = _sharpened_pair(monkeypatch, causal=True, num_compressed_mem_kv=1)
+    x = torch.randn(2, 40, SMALL_CONFIG["dim"])
+    (out, dx, grads), reference_run = _half_precision_runs(fast, reference, x, torch.randn_like(x), torch.float16)
+    assert out.dtype == dx.dtype == torch.float16
+    assert all(grad.dtype == torch.float16 for grad in grads.values())
+    _assert_close((out, dx, grads), reference_run, 5e-3, 5e-3, 5e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_bfloat16_layer_without_autocast_stays_close_to_pytorch_path():
+    torch.manual_seed(0)
+    fast, reference = _layer_pair(CONFIG, use_triton_kernel=True)
+    fast, reference = fast.cuda(), reference.cuda()
+    x = torch.randn(1, 4096, CONFIG["dim"], device="cuda")
+    (out, dx, grads), reference_run = _half_precision_runs(fast, reference, x, torch.randn_like(x), torch.bfloat16)
+    assert out.dtype == dx.dtype == torch.bfloat16
+    assert all(grad.dtype == torch.bfloat16 and torch.isfinite(grad).all() for grad in grads.values())
+    # bf16 scores may rank near-tied blocks otherwise than float32's: the output stays
+    # close (as in test_fast_path_matches_pytorch_path), single gradients need not.
+    assert _relative_error(out, reference_run[0]) < 5e-2 and _relative_error(dx, reference_run[1]) < 1e-1
+
+
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
 def test_triton_path_under_deterministic_algorithms_interpreted(monkeypatch, deterministic):
     """torch.use_deterministic_algorithms: the selection's dK / dV and the windows'
