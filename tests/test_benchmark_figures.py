@@ -286,3 +286,23 @@ def test_decode_report_links_the_figure_only_when_drawn():
 
     assert "](decode_batch8.png)" in report(_decode_results(), 8, figure="decode_batch8.png")
     assert "![" not in report(_decode_results(), 1)
+
+
+def test_deterministic_report_alternates_the_modes_and_compares_them(monkeypatch):
+    from benchmarks import bench_deterministic
+
+    calls = []
+
+    def fake_measure_once(heads, n, mode):
+        calls.append(mode)
+        ms = {"default": 4.0, "deterministic": 5.0}[mode] + len(calls) / 100
+        return {"ms": ms, "peak": 1.0 if mode == "default" else 1.25, "same": mode == "deterministic"}
+
+    monkeypatch.setattr(bench_deterministic, "measure_once", fake_measure_once)
+    modes = bench_deterministic.measure(bench_deterministic.CONFIGS["32 on 2 kv heads"], 8192, rounds=3)
+    assert calls == ["default", "deterministic", "deterministic", "default", "default", "deterministic"]
+    assert modes["default"]["ms"] == pytest.approx(4.04) and modes["deterministic"]["ms"] == pytest.approx(5.03)
+    section = bench_deterministic.report({("32 on 2 kv heads", 8192): modes})
+    row = next(line for line in section.splitlines() if line.startswith("| 32 on 2"))
+    assert row.split(" | ")[1:] == ["8192", "4.04", "5.03", "1.25x", "1.00", "1.25", "no", "yes |"]
+    assert "3 rounds" in section
