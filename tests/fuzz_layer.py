@@ -15,6 +15,11 @@ takes about a minute on an H100 (torch 2.11, triton 3.6), almost all of it compi
 
     python tests/fuzz_layer.py --device cuda --max-len 400 --seeds 100
 
+``--deterministic`` runs each comparison under ``torch.use_deterministic_algorithms``,
+where the selection's dK / dV chunks store partial sums that a kernel then adds in order;
+chunks of 3 or 16 entries, drawn per seed, give blocks several of them (the draw of the
+rest is unchanged).
+
 ``--pytorch-only`` checks the PyTorch path against itself instead, in float64 and much
 faster (hundreds of seeds a minute): decoding after a prefill against the parallel forward
 (the same tokens must give the same outputs whatever follows them), and packed documents
@@ -33,6 +38,8 @@ import random
 import sys
 import traceback
 from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import replace
 
 if __name__ == "__main__":
     # Before triton is imported: the Triton path runs under the interpreter, on CPU tensors.
@@ -50,6 +57,7 @@ from tqdm import tqdm  # noqa: E402
 
 from native_sparse_attention import SparseAttention  # noqa: E402
 from native_sparse_attention.kernels import compressed  # noqa: E402
+from native_sparse_attention.kernels import selection as selection_kernels  # noqa: E402
 
 # Relative errors the float32 paths stay within (as in test_layer_gpu's interpreted tests).
 OUTPUT_TOLERANCE, GRADIENT_TOLERANCE = 1e-5, 1e-4
@@ -111,14 +119,21 @@ def _report(line: str, problems: Sequence[str] = (), error: str | None = None) -
     return not problems, line + "".join(f"\nMISMATCH {problem}" for problem in problems)
 
 
-def check(seed: int, device: str = "cpu", max_len: int = 70) -> tuple[bool, str]:
+def check(seed: int, device: str = "cpu", max_len: int = 70, deterministic: bool = False) -> tuple[bool, str]:
     """(whether the paths agree, a line naming the seed, the draw and any mismatch). The
-    draws of a seed do not depend on ``device``; a ``max_len`` other than 70 changes them."""
+    draws of a seed do not depend on ``device`` or ``deterministic``; a ``max_len`` other
+    than 70 changes them."""
     rng = random.Random(seed)
     config, n, batch = draw_config(rng), rng.randint(1, max_len), rng.choice([1, 2])
     line = f"seed {seed}: n={n} batch={batch} {config}"
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    with pytest.MonkeyPatch.context() as monkeypatch, _deterministic(deterministic):
         try:
+            if deterministic:
+                chunk = random.Random(-seed - 1).choice([3, 16])
+                line += f" deterministic, dK / dV chunks of {chunk}"
+                tuned = selection_kernels.default_launch_config
+                monkeypatch.setattr(selection_kernels, "default_launch_config",
+                                    lambda *args, **kwargs: replace(tuned(*args, **kwargs), dkv_chunk=chunk))
             fast, reference = (layer.to(device) for layer in layer_tests._sharpened_pair(monkeypatch, config))
             torch.manual_seed(seed)
             x = torch.randn(batch, n, config["dim"], device=device)
@@ -141,6 +156,17 @@ def check(seed: int, device: str = "cpu", max_len: int = 70) -> tuple[bool, str]
         except Exception:
             return _report(line, error=traceback.format_exc())
     return _report(line, problems)
+
+
+@contextmanager
+def _deterministic(enabled: bool):
+    """torch.use_deterministic_algorithms(True) inside when ``enabled``, then as before."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled or previous)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -197,11 +223,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: the kernels under the Triton interpreter; cuda: compiled, on the GPU")
     parser.add_argument("--max-len", type=int, default=70, help="the longest sequence drawn")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="under torch.use_deterministic_algorithms, in small dK / dV chunks (module docstring)")
     parser.add_argument("--pytorch-only", action="store_true",
                         help="the PyTorch path against itself: decoding and documents (module docstring)")
     args = parser.parse_args(argv)
-    if args.pytorch_only and (args.device != "cpu" or args.max_len != 70):
-        parser.error("--pytorch-only draws its own lengths and runs on the CPU")
+    if args.pytorch_only and (args.device != "cpu" or args.max_len != 70 or args.deterministic):
+        parser.error("--pytorch-only draws its own lengths and runs on the CPU, without the kernels")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device")
     if args.max_len < 1:
@@ -210,7 +238,7 @@ def main(argv: list[str]) -> int:
         check_seed = check_pytorch_path
     else:
         def check_seed(seed):
-            return check(seed, args.device, args.max_len)
+            return check(seed, args.device, args.max_len, args.deterministic)
     failures = 0
     for seed in tqdm(range(args.first_seed, args.first_seed + args.seeds), unit="seed"):
         ok, line = check_seed(seed)
