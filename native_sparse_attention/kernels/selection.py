@@ -682,10 +682,11 @@ def _dkv_partials_kernel(
     PARTIAL_DK, PARTIAL_DV, KEY_FIRST_CHUNK, DK_ACC, DV_ACC, N, HKV, NUM_BLOCKS,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    """dK, dV [Z, HKV, N, D] float32 of ROWS keys of key ``program_id(0)`` (from its key
-    ``program_id(1) * ROWS`` on): the sum of its chunks' slabs (``_dkv_kernel`` with
-    PARTIALS; [chunks, BLOCK_SIZE, D]) in chunk order, the same bits at every run. A key
-    that no entry attends gets zeros."""
+    """Rows of dK, dV ([Z, HKV, N, D] float32): ROWS rows of key block ``program_id(0)``
+    (the Key notation), from row ``program_id(1) * ROWS`` of the block on, each the sum of
+    that row in the block's chunks' slabs (``_dkv_kernel`` with PARTIALS; [chunks,
+    BLOCK_SIZE, D]) in chunk order, the same bits at every run. A block that no entry
+    attends gets zeros."""
     key = tl.program_id(0)
     z = key // (HKV * NUM_BLOCKS)
     kv_head = (key // NUM_BLOCKS) % HKV
@@ -1507,7 +1508,7 @@ def _problem(q, k, indices, has_sel_scale: bool, block_size: int, causal: bool, 
                                      queries=n, batch=b),
         num_keys=k.shape[2],
         q_offset=q_offset,
-        # Read per launch, as PyTorch's own operators do: the forward leaves out the
+        # Read at every call, as PyTorch's own operators do: the forward leaves out the
         # key-major forward's atomic adds, the backward the atomic dQ and sums the dK / dV
         # chunks' partials in order.
         deterministic=torch.are_deterministic_algorithms_enabled(),
