@@ -37,10 +37,13 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-def _run(layer, x, grad_out, autocast=False):
+def _run(layer, x, grad_out, autocast: bool | torch.dtype = False):
+    """(output, input gradient, parameter gradients) of one step; ``autocast``: True for
+    bf16 autocast, or the autocast dtype."""
     x = x.detach().clone().requires_grad_()
     layer.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+    dtype = autocast if isinstance(autocast, torch.dtype) else torch.bfloat16
+    with torch.autocast(x.device.type, dtype=dtype, enabled=autocast is not False):
         out = layer(x)
     out.backward(grad_out)
     grads = {name: p.grad.detach().clone() for name, p in layer.named_parameters()}
@@ -263,6 +266,21 @@ def test_bfloat16_layer_without_autocast_stays_close_to_pytorch_path():
     # bf16 scores may rank near-tied blocks otherwise than float32's: the output stays
     # close (as in test_fast_path_matches_pytorch_path), single gradients need not.
     assert _relative_error(out, reference_run[0]) < 5e-2 and _relative_error(dx, reference_run[1]) < 1e-1
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_float16_autocast_stays_close_to_pytorch_path():
+    """Under float16 autocast (float32 weights), as under bf16: finite, close outputs."""
+    torch.manual_seed(0)
+    fast, reference = _layer_pair(CONFIG, use_triton_kernel=True)
+    fast, reference = fast.cuda(), reference.cuda()
+    x = torch.randn(1, 4096, CONFIG["dim"], device="cuda")
+    grad_out = torch.randn_like(x)
+    out, dx, grads = _run(fast, x, grad_out, autocast=torch.float16)
+    ref_out, ref_dx, _ = _run(reference, x, grad_out)
+    assert all(torch.isfinite(grad).all() for grad in grads.values())
+    assert _relative_error(out, ref_out) < 5e-2 and _relative_error(dx, ref_dx) < 1e-1
 
 
 @pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter only")
