@@ -38,7 +38,7 @@ import random
 import sys
 import traceback
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 if __name__ == "__main__":
@@ -126,7 +126,7 @@ def check(seed: int, device: str = "cpu", max_len: int = 70, deterministic: bool
     rng = random.Random(seed)
     config, n, batch = draw_config(rng), rng.randint(1, max_len), rng.choice([1, 2])
     line = f"seed {seed}: n={n} batch={batch} {config}"
-    with pytest.MonkeyPatch.context() as monkeypatch, _deterministic(deterministic):
+    with pytest.MonkeyPatch.context() as monkeypatch, _deterministic_algorithms() if deterministic else nullcontext():
         try:
             if deterministic:
                 chunk = random.Random(-seed - 1).choice([3, 16])
@@ -159,10 +159,12 @@ def check(seed: int, device: str = "cpu", max_len: int = 70, deterministic: bool
 
 
 @contextmanager
-def _deterministic(enabled: bool):
-    """torch.use_deterministic_algorithms(True) inside when ``enabled``, then as before."""
+def _deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) inside, then as before (on CUDA with the
+    fixed cuBLAS workspace PyTorch then asks for)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(enabled or previous)
+    torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
