@@ -18,7 +18,6 @@ import math
 from typing import NamedTuple
 
 import torch
-from einops import reduce
 
 from native_sparse_attention.reference import compressed_key_last_positions, without_autocast
 
@@ -89,20 +88,40 @@ def selection_block_scores(
     the compressed blocks (memory keys left out). With ``kv_heads`` given the scores are
     summed over the query heads of each group (shared selection).
     Returns [b, hs, m, num_selection] with ``hs = kv_heads or hq``.
+
+    Each score adds its terms one at a time, element by element, in one order: the
+    compressed blocks overlapping the block by ascending index, then the group's heads by
+    ascending index. Two blocks that the same visible compressed blocks overlap then
+    score the same bits, the other blocks' probabilities being exact zeros, and
+    ``select_blocks`` breaks their tie by its rule. A matmul with the 0/1 overlap matrix
+    rounded such columns differently wherever they fell in its vector lanes, so that a
+    decoded token could break a tie otherwise than the same token in a longer forward.
     """
-    overlap = block_overlap(
-        compressed_probs.shape[-1],
-        compress_block_size,
-        compress_stride,
-        selection_block_size,
-        num_selection,
-        compressed_probs.device,
-        compressed_probs.dtype,
-    )
-    scores = compressed_probs @ overlap
-    if kv_heads is not None:
-        scores = reduce(scores, "b (h g) m j -> b h m j", "sum", h=kv_heads)
-    return scores
+    num_compressed = compressed_probs.shape[-1]
+    scores = compressed_probs.new_zeros(*compressed_probs.shape[:-1], num_selection)
+    if num_compressed:
+        overlap = block_overlap(
+            num_compressed,
+            compress_block_size,
+            compress_stride,
+            selection_block_size,
+            num_selection,
+            compressed_probs.device,
+            torch.int32,
+        )
+        # A block's compressed blocks are consecutive: the first of them and how many.
+        first, count = overlap.argmax(0), overlap.sum(0)
+        most = min(num_compressed, (selection_block_size + compress_block_size) // compress_stride + 1)
+        for t in range(most):
+            term = compressed_probs.index_select(-1, (first + t).clamp(max=num_compressed - 1))
+            scores = scores + torch.where(t < count, term, 0.0)
+    if kv_heads is None:
+        return scores
+    heads = scores.unflatten(1, (kv_heads, -1)).unbind(2)
+    shared = heads[0]
+    for head in heads[1:]:
+        shared = shared + head
+    return shared
 
 
 def selectable_blocks(

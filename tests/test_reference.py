@@ -7,6 +7,7 @@ import torch
 
 from native_sparse_attention.reference import compressed_attend, selected_attend, sliding_window_attend
 from native_sparse_attention.selection import (
+    block_overlap,
     num_compressed_blocks,
     select_blocks,
     selectable_blocks,
@@ -112,6 +113,36 @@ def test_compressed_attend_matches_brute_force(causal):
             torch.testing.assert_close(out[0, h, i], o)
             assert math.isclose(lse[0, h, i].item(), l, rel_tol=1e-9)
     torch.testing.assert_close(probs.sum(-1), torch.ones_like(lse))
+
+
+@pytest.mark.parametrize("cbs, stride, sbs", [(24, 8, 16), (20, 8, 16), (12, 4, 8), (40, 8, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_blocks_that_the_same_visible_compressed_blocks_overlap_score_the_same_bits(cbs, stride, sbs, dtype):
+    """Windows longer than a selection block make exact ties (``select_blocks`` gives them
+    to the later block): their scores must be equal bit for bit in every row of any
+    length, or a token's choice depends on how many tokens share its forward. (Summed over
+    the heads by ``torch.sum``, whose vectorised and remaining elements add in different
+    orders, two such blocks of row 37 at n = 42 differed in their last bit.)"""
+    hq, hk = 10, 2
+    for n in (42, 45, 130, 257):
+        nc = num_compressed_blocks(n, cbs, stride)
+        num_blocks = math.ceil(n / sbs)
+        last = torch.arange(nc) * stride + cbs - 1
+        visible = last[None, :] < torch.arange(n)[:, None]
+        # As the layer passes them: a view past the memory keys' column.
+        with_memory = torch.rand(2, hq, n, 1 + nc, dtype=dtype)
+        with_memory[..., 1:].masked_fill_(~visible, 0.0)
+        probs = with_memory[..., 1:]
+        scores = selection_block_scores(probs, cbs, stride, sbs, num_blocks, kv_heads=hk)
+        overlap = block_overlap(nc, cbs, stride, sbs, num_blocks, dtype=torch.bool)
+        ties = 0
+        for i in range(n):
+            sets = [tuple((overlap[:, j] & visible[i]).nonzero().flatten().tolist()) for j in range(num_blocks)]
+            for j in range(1, num_blocks):
+                if sets[j] and sets[j] == sets[j - 1]:
+                    ties += 1
+                    assert torch.equal(scores[:, :, i, j], scores[:, :, i, j - 1]), (n, i, j)
+        assert ties
 
 
 @pytest.mark.parametrize("cbs, stride, sbs", [(4, 2, 4), (4, 4, 8), (6, 2, 4), (8, 4, 4)])

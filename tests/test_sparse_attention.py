@@ -102,10 +102,11 @@ def test_a_prefix_selects_what_the_whole_sequence_selects():
 def test_random_configurations_decode_and_pack_documents_as_the_whole_forward_does():
     """``tests/fuzz_layer.py --pytorch-only`` at fixed seeds: decoding against the parallel
     forward and packed documents against each alone, in float64 (seed 228's documents tie
-    exactly, which the old tie-break got wrong)."""
+    exactly, which the old tie-break got wrong; at seed 26458 the heads' sum rounded two
+    tied blocks apart in the forward but not in a decoding step)."""
     from fuzz_layer import check_pytorch_path
 
-    for seed in range(200, 240):
+    for seed in [*range(200, 240), 26458]:
         ok, report = check_pytorch_path(seed)
         assert ok, report
 
