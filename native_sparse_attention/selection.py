@@ -100,15 +100,8 @@ def selection_block_scores(
     num_compressed = compressed_probs.shape[-1]
     scores = compressed_probs.new_zeros(*compressed_probs.shape[:-1], num_selection)
     if num_compressed:
-        overlap = block_overlap(
-            num_compressed,
-            compress_block_size,
-            compress_stride,
-            selection_block_size,
-            num_selection,
-            compressed_probs.device,
-            torch.int32,
-        )
+        overlap = block_overlap(num_compressed, compress_block_size, compress_stride, selection_block_size,
+                                num_selection, compressed_probs.device, torch.int32)
         # A block's compressed blocks are consecutive: the first of them and how many.
         first, count = overlap.argmax(0), overlap.sum(0)
         most = min(num_compressed, (selection_block_size + compress_block_size) // compress_stride + 1)

@@ -255,30 +255,24 @@ def test_float16_layer_without_autocast_matches_pytorch_path_interpreted(monkeyp
 
 @pytest.mark.gpu
 @requires_cuda
-def test_bfloat16_layer_without_autocast_stays_close_to_pytorch_path():
-    torch.manual_seed(0)
-    fast, reference = _layer_pair(CONFIG, use_triton_kernel=True)
-    fast, reference = fast.cuda(), reference.cuda()
-    x = torch.randn(1, 4096, CONFIG["dim"], device="cuda")
-    (out, dx, grads), reference_run = _half_precision_runs(fast, reference, x, torch.randn_like(x), torch.bfloat16)
-    assert out.dtype == dx.dtype == torch.bfloat16
-    assert all(grad.dtype == torch.bfloat16 and torch.isfinite(grad).all() for grad in grads.values())
-    # bf16 scores may rank near-tied blocks otherwise than float32's: the output stays
-    # close (as in test_fast_path_matches_pytorch_path), single gradients need not.
-    assert _relative_error(out, reference_run[0]) < 5e-2 and _relative_error(dx, reference_run[1]) < 1e-1
-
-
-@pytest.mark.gpu
-@requires_cuda
-def test_float16_autocast_stays_close_to_pytorch_path():
-    """Under float16 autocast (float32 weights), as under bf16: finite, close outputs."""
+@pytest.mark.parametrize("precision", ["bfloat16 weights", "float16 autocast"])
+def test_half_precision_stays_close_to_pytorch_path(precision):
+    """The layer cast to bfloat16 (weights too, no autocast), or under float16 autocast
+    (float32 weights), against the float32 PyTorch path. Half-precision scores may rank
+    near-tied blocks otherwise than float32's: the output stays close (as in
+    test_fast_path_matches_pytorch_path), single gradients need not."""
     torch.manual_seed(0)
     fast, reference = _layer_pair(CONFIG, use_triton_kernel=True)
     fast, reference = fast.cuda(), reference.cuda()
     x = torch.randn(1, 4096, CONFIG["dim"], device="cuda")
     grad_out = torch.randn_like(x)
-    out, dx, grads = _run(fast, x, grad_out, autocast=torch.float16)
-    ref_out, ref_dx, _ = _run(reference, x, grad_out)
+    if precision == "bfloat16 weights":
+        (out, dx, grads), (ref_out, ref_dx, _) = _half_precision_runs(fast, reference, x, grad_out, torch.bfloat16)
+        assert out.dtype == dx.dtype == torch.bfloat16
+        assert all(grad.dtype == torch.bfloat16 for grad in grads.values())
+    else:
+        out, dx, grads = _run(fast, x, grad_out, autocast=torch.float16)
+        ref_out, ref_dx, _ = _run(reference, x, grad_out)
     assert all(torch.isfinite(grad).all() for grad in grads.values())
     assert _relative_error(out, ref_out) < 5e-2 and _relative_error(dx, ref_dx) < 1e-1
 
