@@ -77,6 +77,7 @@ __all__ = [
     "build_model",
     "build_optimizer",
     "cuda_graph_possible",
+    "deterministic_algorithms",
     "evaluate",
     "flat_gradients",
     "learning_rate",
@@ -572,7 +573,7 @@ def describe(config: TrainConfig, run: dict, run_dir: Path) -> str:
 def train(config: TrainConfig, run_dir: Path, resume: bool) -> int:
     """Train as ``config`` says; returns the exit code (0, or 128 + signal number when
     stopped by a signal)."""
-    with _deterministic_algorithms(config.deterministic):
+    with deterministic_algorithms(config.deterministic):
         runtime = start_runtime(config)
         try:
             return Trainer(config, run_dir, resume, runtime).run()
@@ -582,7 +583,7 @@ def train(config: TrainConfig, run_dir: Path, resume: bool) -> int:
 
 
 @contextmanager
-def _deterministic_algorithms(enabled: bool):
+def deterministic_algorithms(enabled: bool):
     """``torch.use_deterministic_algorithms(True)`` inside when ``enabled``, then as before.
     cuBLAS then needs a fixed workspace, which PyTorch reads from the environment."""
     if not enabled:

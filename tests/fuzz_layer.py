@@ -38,7 +38,6 @@ import random
 import sys
 import traceback
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 if __name__ == "__main__":
@@ -58,6 +57,7 @@ from tqdm import tqdm  # noqa: E402
 from native_sparse_attention import SparseAttention  # noqa: E402
 from native_sparse_attention.kernels import compressed  # noqa: E402
 from native_sparse_attention.kernels import selection as selection_kernels  # noqa: E402
+from native_sparse_attention.training import deterministic_algorithms  # noqa: E402
 
 # Relative errors the float32 paths stay within (as in test_layer_gpu's interpreted tests).
 OUTPUT_TOLERANCE, GRADIENT_TOLERANCE = 1e-5, 1e-4
@@ -126,7 +126,7 @@ def check(seed: int, device: str = "cpu", max_len: int = 70, deterministic: bool
     rng = random.Random(seed)
     config, n, batch = draw_config(rng), rng.randint(1, max_len), rng.choice([1, 2])
     line = f"seed {seed}: n={n} batch={batch} {config}"
-    with pytest.MonkeyPatch.context() as monkeypatch, _deterministic_algorithms() if deterministic else nullcontext():
+    with pytest.MonkeyPatch.context() as monkeypatch, deterministic_algorithms(deterministic):
         try:
             if deterministic:
                 chunk = random.Random(-seed - 1).choice([3, 16])
@@ -156,19 +156,6 @@ def check(seed: int, device: str = "cpu", max_len: int = 70, deterministic: bool
         except Exception:
             return _report(line, error=traceback.format_exc())
     return _report(line, problems)
-
-
-@contextmanager
-def _deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True) inside, then as before (on CUDA with the
-    fixed cuBLAS workspace PyTorch then asks for)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
