@@ -221,7 +221,9 @@ class Transformer(nn.Module):
             x = x + ff(x, decoding=static)
         logits = decoding_linear(self.to_logits, self.norm(x)) if static else self.to_logits(self.norm(x))
         if return_loss:
-            return F.cross_entropy(logits.transpose(1, 2), labels.long(), ignore_index=_IGNORED)
+            # Rows of [b * n, vocab], not [b, vocab, n]: that layout is nll_loss2d, whose CUDA mean
+            # adds atomically and is refused under torch.use_deterministic_algorithms.
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten().long(), ignore_index=_IGNORED)
         return (logits, new_caches) if return_caches else logits
 
     @torch.no_grad()
