@@ -42,6 +42,38 @@ def test_attention_type_and_loss(use_sparse_attn, attention_type):
     assert model(ids).shape == (2, 33, 64)
 
 
+# Ops whose CUDA kernels PyTorch refuses under torch.use_deterministic_algorithms (its
+# documentation lists them; cumsum of floats): train.py --deterministic must not reach any.
+_REFUSED_UNDER_DETERMINISTIC = {"nll_loss2d_forward", "cumsum", "histc", "bincount", "median", "put", "put_",
+                                "_embedding_bag"}
+
+
+@pytest.mark.parametrize("use_sparse_attn", [True, False])
+def test_loss_runs_no_op_that_deterministic_cuda_refuses(use_sparse_attn):
+    """Recorded on the CPU, where PyTorch does not refuse them: the loss over [b * n, vocab]
+    rows is nll_loss_forward; over [b, vocab, n] it was nll_loss2d_forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            if name == "cumsum" and not args[0].is_floating_point():
+                name = "cumsum of integers"  # refused for floats only
+            self.ops.add(name)
+            return func(*args, **(kwargs or {}))
+
+    model = make_model(use_sparse_attn)
+    ids = torch.randint(0, 64, (2, 33))
+    with Recorder() as recorder:
+        model(ids, return_loss=True).backward()
+    assert "nll_loss_forward" in recorder.ops
+    assert not recorder.ops & _REFUSED_UNDER_DETERMINISTIC, recorder.ops & _REFUSED_UNDER_DETERMINISTIC
+
+
 @pytest.mark.parametrize("use_sparse_attn", [True, False])
 def test_greedy_sampling_with_cache_equals_without(use_sparse_attn):
     model = make_model(use_sparse_attn)
