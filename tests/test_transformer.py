@@ -42,8 +42,8 @@ def test_attention_type_and_loss(use_sparse_attn, attention_type):
     assert model(ids).shape == (2, 33, 64)
 
 
-# Ops whose CUDA kernels PyTorch refuses under torch.use_deterministic_algorithms (its
-# documentation lists them; cumsum of floats): train.py --deterministic must not reach any.
+# Ops whose CUDA kernels PyTorch refuses under torch.use_deterministic_algorithms (from its
+# documentation; cumsum only of floats): train.py --deterministic must reach none of them.
 _REFUSED_UNDER_DETERMINISTIC = {"nll_loss2d_forward", "cumsum", "histc", "bincount", "median", "put", "put_",
                                 "_embedding_bag"}
 
