@@ -21,7 +21,6 @@ import gc
 import os
 import statistics
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,21 +31,11 @@ from benchmarks.bench_layer import GIB, Heads, inputs, replayed_step, step_fns  
 from benchmarks.report import (  # noqa: E402
     benchmark_arguments, environment_line, markdown_table, median_ms, require_cuda, write_section,
 )
+from native_sparse_attention.training import deterministic_algorithms  # noqa: E402
 
 CONFIGS = {"32 on 2 kv heads": Heads(), "32 on 8 kv heads": Heads(kv_heads=8)}
 MODES = ("default", "deterministic")
 REPEATED_STEPS = 3
-
-
-@contextmanager
-def algorithms(mode: str):
-    """PyTorch's deterministic setting for ``mode``, restored after."""
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(mode == "deterministic")
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def _step_results(layer, x, grad_out) -> list[torch.Tensor]:
@@ -64,7 +53,7 @@ def measure_once(heads: Heads, n: int, mode: str) -> dict:
     held = torch.cuda.memory_allocated()
     layer = x = grad_out = None
     try:
-        with algorithms(mode):
+        with deterministic_algorithms(mode == "deterministic"):
             layer, x, grad_out = inputs("nsa", n, heads)
             first = _step_results(layer, x, grad_out)  # compiles the kernels
             torch.cuda.synchronize()
