@@ -46,11 +46,15 @@ def sliding_windows(t: torch.Tensor, size: int, stride: int) -> torch.Tensor:
 class _TiledWindows(torch.autograd.Function):
     """``sliding_windows`` for windows of whole strides. The forward copies: returned as a
     view of the input, a compiled graph's output got a wrong gradient (torch 2.13), while
-    inside a graph the copy fuses with whatever reads the windows."""
+    inside a graph the copy fuses with whatever reads the windows. It clones rather than
+    calling ``contiguous``, which returns the view itself where the windows already lie
+    contiguously (size == stride, or a single window); as a graph's output, torch 2.11
+    gave those a zero gradient."""
 
     @staticmethod
     def forward(t: torch.Tensor, size: int, stride: int) -> torch.Tensor:
-        return rearrange(t.unfold(2, size, stride), "b h w d t -> b h w t d").contiguous()
+        windows = rearrange(t.unfold(2, size, stride), "b h w d t -> b h w t d")
+        return windows.clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

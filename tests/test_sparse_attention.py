@@ -18,8 +18,7 @@ from native_sparse_attention import (
     SparseAttentionCache,
     TransformerCompress,
 )
-from native_sparse_attention.compress import sliding_windows
-from native_sparse_attention.compress import plain_linear
+from native_sparse_attention.compress import _TiledWindows, plain_linear, sliding_windows
 
 DIM, DIM_HEAD, HEADS = 32, 8, 4
 
@@ -234,6 +233,17 @@ def test_compiled_sliding_windows_match_unfold_with_gradients(length, size, stri
         assert torch.equal(windows, expected)
         (t_grad,) = torch.autograd.grad(windows, t, grad)
         torch.testing.assert_close(t_grad, expected_grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("length, size, stride", [(24, 8, 8), (8, 8, 4), (40, 8, 4)])
+def test_compiled_windows_never_alias_their_input(length, size, stride):
+    """Windows that already lie contiguously (size == stride, or one window) are copied
+    too: returned as a view of the input, torch 2.11's compiled graphs gave them a zero
+    gradient, which the test above shows only on that version."""
+    t = torch.randn(2, 3, length, 5)
+    windows = _TiledWindows.forward(t, size, stride)
+    assert torch.equal(windows, t.unfold(2, size, stride).transpose(-1, -2))
+    assert windows.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
 
 
 def test_compressors_are_independent_for_keys_and_values():
