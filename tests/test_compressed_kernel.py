@@ -283,8 +283,9 @@ def test_documents_none_changes_nothing_and_one_document_per_row_little():
         runs.append((out, lse, *selection, *(t.grad for t in inputs)))
     for expected, actual in zip(runs[0], runs[1]):
         assert torch.equal(expected, actual)
+    # The memory keys' dK / dV sum 512 rows' shares: on an H200 2.7e-6 (relative) apart in the two orders.
     for expected, actual in zip(runs[0], runs[2]):
-        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_packed_documents_cpu_fallback_matches_kernels(monkeypatch):

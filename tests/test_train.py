@@ -148,16 +148,18 @@ def test_activation_checkpointing_trains_the_same_run(corpus, tmp_path):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_deterministic_runs_repeat_bit_for_bit(device, corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("attn", ["sparse", "full"])
+def test_deterministic_runs_repeat_bit_for_bit(device, attn, corpus, tmp_path, monkeypatch):
     """--deterministic holds torch.use_deterministic_algorithms for the run (as the step
     sees it), then restores it; two runs log the same losses and gradient norms. On CUDA
-    the sparse layers' kernels then add no floats atomically."""
+    the sparse layers' kernels then add no floats atomically, and SDPA's backward splits
+    no keys."""
     seen = []
     step = training.Trainer._train_step
     monkeypatch.setattr(training.Trainer, "_train_step",
                         lambda self, *args: seen.append(torch.are_deterministic_algorithms_enabled()) or step(self, *args))
     flags = ("--device", device, "--steps", "5", "--log-every", "1", "--val-every", "0", "--sample-every", "0",
-             "--checkpoint-every", "0", "--deterministic")
+             "--checkpoint-every", "0", "--deterministic", "--attn", attn)
     if device == "cuda":  # blocks the kernels take
         flags += ("--compress-block", "16", "--compress-stride", "8", "--selection-block", "16")
     assert run_train(corpus, tmp_path / "first", *flags) == 0
