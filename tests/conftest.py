@@ -4,10 +4,12 @@ Without CUDA the Triton kernels run under Triton's interpreter on CPU tensors. T
 variable must be set before triton is first imported, which is why it lives here.
 """
 
+import gc
 import os
 
 import pytest
 import torch
+from filelock import FileLock
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -60,6 +62,19 @@ def deterministic(monkeypatch):
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@pytest.fixture
+def large_gpu_memory(tmp_path_factory):
+    """For tests that allocate tens of GB: pytest-xdist's workers run them one at a time
+    (a lock file in the session's temporary directory, which the workers share), and each
+    returns what it cached, which the caching allocator would otherwise keep from the other
+    workers for the rest of the session."""
+    with FileLock(tmp_path_factory.getbasetemp().parent / "large-gpu-memory.lock"):
+        torch.cuda.empty_cache()
+        yield
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def launched_constexprs(monkeypatch, module) -> list[dict]:

@@ -600,6 +600,7 @@ def test_gpu_packed_documents(dtype, score_grad):
 
 
 @gpu
+@pytest.mark.usefixtures("large_gpu_memory")
 def test_gpu_int64_offsets():
     """b * hq * n * d > 2**31: every kernel must address past the int32 range."""
     b, hq, hk, n, d, cbs, stride, num_mem, sbs, top = 4100, 8, 2, 1024, 64, 32, 16, 1, 64, 4

@@ -791,6 +791,7 @@ def test_gpu_key_major_forward(name, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("with_sel_scale", [True, False], ids=["query_major", "key_major"])
+@pytest.mark.usefixtures("large_gpu_memory")
 def test_gpu_int64_offsets(with_sel_scale, monkeypatch):
     """b * hq * n * d > 2**31: every kernel must address past the int32 range. With
     sel_scale, the query-side forward and the dQ pass; without, the key-major forward and
