@@ -124,7 +124,7 @@ def test_selected_and_sliding_forward_with_documents():
     torch.testing.assert_close(sliding, expected_sliding, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_flex_attention_stays_compiled_past_dynamos_recompile_limit(monkeypatch):
+def test_compiled_flex_attention_stays_compiled_past_dynamos_recompile_limit():
     """Each sequence length compiles its own graph; past Dynamo's recompile limit a call
     would run the unfused flex_attention, which materialises the [n, n] scores. Here the
     global limit is 1 and three lengths must still compile flex_attention three times
@@ -135,16 +135,18 @@ def test_compiled_flex_attention_stays_compiled_past_dynamos_recompile_limit(mon
     from native_sparse_attention import flex
 
     limit_name = flex._RECOMPILE_LIMIT_NAME
-    monkeypatch.setattr(torch._dynamo.config, limit_name, 1)
-    attend = flex._compiled_flex_attention()
-    compiled_frames = counters["frames"]["ok"]
-    for n in (32, 48, 64):
-        q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
-        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, n, n, device="cpu",
-                                       BLOCK_SIZE=16)
-        with torch.no_grad():
-            out = attend(q, k, v, block_mask=block_mask, enable_gqa=True)
-        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert counters["frames"]["ok"] - compiled_frames == 3
-    assert getattr(torch._dynamo.config, limit_name) == 1
+    # Not monkeypatch: its undo deletes the setting, which hides it from Dynamo for the
+    # rest of the session (torch 2.10).
+    with torch._dynamo.config.patch(**{limit_name: 1}):
+        attend = flex._compiled_flex_attention()
+        compiled_frames = counters["frames"]["ok"]
+        for n in (32, 48, 64):
+            q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+            block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, n, n, device="cpu",
+                                           BLOCK_SIZE=16)
+            with torch.no_grad():
+                out = attend(q, k, v, block_mask=block_mask, enable_gqa=True)
+            expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert counters["frames"]["ok"] - compiled_frames == 3
+        assert getattr(torch._dynamo.config, limit_name) == 1
