@@ -33,13 +33,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from packaging.version import Version
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 __all__ = ["flex_document_causal_attention", "flex_selected_and_sliding"]
 
-# Gradients of tensors captured by a score_mod arrived in torch 2.6 (pytorch/pytorch#137452).
-_CAPTURED_GRADS = Version(torch.__version__.split("+")[0]) >= Version("2.6")
 # With the sel_scale score_mod under bf16, the default three-stage forward config needs
 # 247,808 bytes of shared memory on an H100 (limit 232,448; torch 2.11); two stages fit.
 _SCORE_MOD_KERNEL_OPTIONS = {"fwd_num_stages": 2, "bwd_num_stages": 2}
@@ -51,8 +48,6 @@ _SCORE_MOD_KERNEL_OPTIONS = {"fwd_num_stages": 2, "bwd_num_stages": 2}
 # silently runs the unfused flex_attention, which materialises every [n, n] score matrix:
 # slow, and out of memory at long sequences. The limit is raised for these calls alone.
 _FLEX_RECOMPILE_LIMIT = 256
-# Renamed from cache_size_limit in torch 2.7, which keeps the old name as an alias.
-_RECOMPILE_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 @functools.cache
@@ -63,7 +58,7 @@ def _compiled_flex_attention():
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def attend(*args, **kwargs):
-        with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT_NAME: _FLEX_RECOMPILE_LIMIT}):
+        with torch._dynamo.config.patch(recompile_limit=_FLEX_RECOMPILE_LIMIT):
             return compiled(*args, **kwargs)
 
     return attend
@@ -256,7 +251,7 @@ def flex_selected_and_sliding(
     sliding_window_size``; with ``document_start`` (``[b, n]`` int32, causal only: the
     first token of each query's document) only the keys ``j >= document_start[i]``.
 
-    ``sel_scale`` is differentiable (torch >= 2.6). Each score evaluates ``sel`` slot
+    ``sel_scale`` is differentiable. Each score evaluates ``sel`` slot
     comparisons in the mask_mod and, with ``sel_scale``, as many in the score_mod.
     ``tile_size`` is the (query, key) tile of the BlockMasks; see the module docstring
     for the constraints on CUDA. On CUDA flex_attention is compiled on first use; on CPU
@@ -275,12 +270,6 @@ def flex_selected_and_sliding(
         )
     if sel_scale is not None and sel_scale.shape != fmask.shape:
         raise ValueError(f"sel_scale {tuple(sel_scale.shape)} must match fmask {tuple(fmask.shape)}")
-    if sel_scale is not None and sel_scale.requires_grad and not _CAPTURED_GRADS:
-        raise NotImplementedError(
-            f"a differentiable sel_scale needs gradients of tensors captured by a FlexAttention "
-            f"score_mod, which torch {torch.__version__} lacks (added in 2.6); detach it or "
-            f"upgrade torch"
-        )
     if block_size < 1 or sliding_window_size < 0:
         raise ValueError(f"need block_size >= 1 and sliding_window_size >= 0, got {block_size} and {sliding_window_size}")
 

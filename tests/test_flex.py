@@ -134,10 +134,9 @@ def test_compiled_flex_attention_stays_compiled_past_dynamos_recompile_limit():
 
     from native_sparse_attention import flex
 
-    limit_name = flex._RECOMPILE_LIMIT_NAME
     # Not monkeypatch: its undo deletes the setting, which hides it from Dynamo for the
     # rest of the session (torch 2.10).
-    with torch._dynamo.config.patch(**{limit_name: 1}):
+    with torch._dynamo.config.patch(recompile_limit=1):
         attend = flex._compiled_flex_attention()
         compiled_frames = counters["frames"]["ok"]
         for n in (32, 48, 64):
@@ -149,4 +148,4 @@ def test_compiled_flex_attention_stays_compiled_past_dynamos_recompile_limit():
             expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         assert counters["frames"]["ok"] - compiled_frames == 3
-        assert getattr(torch._dynamo.config, limit_name) == 1
+        assert torch._dynamo.config.recompile_limit == 1

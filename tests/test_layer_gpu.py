@@ -587,20 +587,18 @@ def test_cuda_graph_decoding_matches_pytorch_path(share):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_flex_path_runs_at_several_lengths(monkeypatch):
+def test_flex_path_runs_at_several_lengths():
     """The FlexAttention path compiled for each sequence length it meets (static shapes),
     two graphs a length (selected and sliding), past Dynamo's recompile limit (here 1)."""
     from torch._dynamo.utils import counters
 
-    from native_sparse_attention import flex
-
-    monkeypatch.setattr(torch._dynamo.config, flex._RECOMPILE_LIMIT_NAME, 1)
     limit_hits = sum(count for reason, count in counters["unimplemented"].items() if "recompile limit" in reason)
     torch.manual_seed(0)
     layer = SparseAttention(**CONFIG, use_flex_attention=True).cuda()
-    for n in (1024, 640, 2048):
-        x = torch.randn(1, n, CONFIG["dim"], device="cuda", requires_grad=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            layer(x).sum().backward()
-        assert torch.isfinite(x.grad).all()
+    with torch._dynamo.config.patch(recompile_limit=1):  # not monkeypatch: see test_flex.py
+        for n in (1024, 640, 2048):
+            x = torch.randn(1, n, CONFIG["dim"], device="cuda", requires_grad=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                layer(x).sum().backward()
+            assert torch.isfinite(x.grad).all()
     assert sum(count for reason, count in counters["unimplemented"].items() if "recompile limit" in reason) == limit_hits

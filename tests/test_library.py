@@ -253,19 +253,16 @@ def test_fast_path_layer_compiles_to_one_graph(monkeypatch, use_diff_topk):
 def float32_matmul_precision():
     """Restores PyTorch's float32 matmul settings, old and new API, after the test."""
     legacy = torch.get_float32_matmul_precision()
-    backend = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    backend = torch.backends.cuda.matmul.fp32_precision
     yield
     torch.set_float32_matmul_precision(legacy)
-    if backend is not None:
-        torch.backends.cuda.matmul.fp32_precision = backend
+    torch.backends.cuda.matmul.fp32_precision = backend
 
 
 def _set_matmul_precision(setting: str) -> None:
     api, value = setting.split("=")
     if api == "legacy":
         torch.set_float32_matmul_precision(value)
-    elif not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        pytest.skip("torch.backends.cuda.matmul.fp32_precision arrived in PyTorch 2.9")
     else:
         torch.backends.cuda.matmul.fp32_precision = value
 

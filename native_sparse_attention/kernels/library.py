@@ -124,15 +124,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     """
     if dtype != torch.float32:
         return "tf32"
-    # Absent before PyTorch 2.9; "none" defers to the older global setting.
-    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    # "none" defers to the older global setting.
+    precision = torch.backends.cuda.matmul.fp32_precision
     if precision != "none":
         return "tf32" if precision == "tf32" else "ieee"
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-
-
-# aten::mm.dtype: 16-bit products summed into float32 outputs (PyTorch 2.8 and later, CUDA).
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def matmul_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,7 +136,8 @@ def matmul_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     A float32 weight's gradient from bf16 / fp16 operands then takes no cast kernel."""
     if a.dtype == dtype:
         return a @ b
-    if _MM_OUT_DTYPE and a.is_cuda and dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16):
+    # aten::mm.dtype (CUDA only): 16-bit products summed into a float32 output.
+    if a.is_cuda and dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16):
         return torch.mm(a, b, out_dtype=dtype)
     return (a @ b).to(dtype)
 
