@@ -151,8 +151,11 @@ def _selected_block_mask(
         block = kv_idx // block_size
         head = h // group
         hit = block == q_idx // block_size if causal else torch.zeros_like(block, dtype=torch.bool)
+        # The row first, then its slots: torch 2.10 fails to trace the four-index read when
+        # eager FlexAttention builds its masks.
+        slots = slot_blocks[b, head, q_idx]
         for s in range(num_slots):
-            hit = hit | (slot_blocks[b, head, q_idx, s] == block)
+            hit = hit | (slots[..., s] == block)
         return hit & (kv_idx <= q_idx) if causal else hit
 
     tiles = _selected_tiles(slot_blocks, n, block_size, causal, tile_size)
